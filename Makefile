@@ -1,0 +1,36 @@
+# aotc — make demo | make test | make bench | make lint
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# The demo uses a store inside the checkout so it never touches ~/.cache.
+DEMO_STORE ?= $(CURDIR)/.aotc-store
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: a bare range would pull a newer, multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/aotc --store $(DEMO_STORE) inspect cache
+	$(VENV)/bin/aotc --store $(DEMO_STORE) verify
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) bench/store.py
+
+lint: install
+	$(PY) -m compileall -q aotc cache cli bench tests
+
+clean:
+	rm -rf $(VENV) $(DEMO_STORE) .pytest_cache

@@ -1,0 +1,26 @@
+"""aotc: ahead-of-time compile-and-cache for PyTorch model serving.
+
+Importing ``aotc`` is cheap: torch is only imported when ``aotc.compile`` or ``aotc.load`` is used,
+so the store commands (``aotc inspect``, ``verify``, ``gc``) answer without loading torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["compile", "load", "__version__"]
+
+
+def compile(manifest: Any, store: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - public API name
+    """Compile the model a manifest names and store the program; see ``aotc.compiler.compile_manifest``."""
+    from aotc.compiler import compile_manifest
+
+    return compile_manifest(manifest, store=store, **kwargs)
+
+
+def load(manifest_or_key: Any, model: Any = None, store: Any = None, **kwargs: Any) -> Any:
+    """Warm-start a stored program into a runnable; see ``aotc.loader.load``."""
+    from aotc.loader import load as _load
+
+    return _load(manifest_or_key, model=model, store=store, **kwargs)

@@ -1,0 +1,66 @@
+"""The one ``AotcError`` hierarchy. Store errors come from ``aotc.cache.errors`` (torch-free);
+everything the compile and load journeys raise is defined here. Every message names the file /
+field / key concerned and what to do."""
+
+from __future__ import annotations
+
+from aotc.cache.errors import (
+    AotcError,
+    CacheMiss,
+    CorruptedCacheError,
+    StoreError,
+    StoreLockedError,
+)
+
+__all__ = [
+    "AotcError", "CacheMiss", "CorruptedCacheError", "StoreError", "StoreLockedError",
+    "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
+    "NumericMismatchError", "LoadError", "InputError",
+]
+
+
+class ManifestError(AotcError):
+    """The manifest file is malformed or invalid. Message: ``file: field.path: what was expected``."""
+
+    exit_code = 2
+
+    def __init__(self, file: str, field: str, problem: str) -> None:
+        self.file, self.field, self.problem = file, field, problem
+        where = f"{file}: {field}: " if field else f"{file}: "
+        super().__init__(where + problem)
+
+
+class ModelBuildError(AotcError):
+    """The model named by the manifest could not be imported or built."""
+
+    exit_code = 2
+
+
+class CaptureError(AotcError):
+    """Dynamo could not capture the model in one graph (graph break, unsupported op)."""
+
+    exit_code = 2
+
+
+class SplitError(AotcError):
+    """The graph could not be split at the splitting ops."""
+
+    exit_code = 2
+
+
+class CompileError(AotcError):
+    """Inductor failed to compile a piece."""
+
+
+class NumericMismatchError(AotcError):
+    """The compiled program disagrees with eager beyond the manifest's tolerance."""
+
+
+class LoadError(AotcError):
+    """A stored program cannot be loaded into this process (weights mismatch, bad artifact)."""
+
+
+class InputError(AotcError):
+    """Inputs given to a Runner do not match the recorded input spec."""
+
+    exit_code = 2

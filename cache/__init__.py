@@ -1,0 +1,19 @@
+"""The content-addressed artifact store (import name ``aotc.cache``). Never imports torch."""
+
+from aotc.cache.errors import AotcError, CacheMiss, CorruptedCacheError, StoreError, StoreLockedError
+from aotc.cache.store import Entry, Store, default_store_path
+
+__all__ = [
+    "AotcError", "CacheMiss", "CorruptedCacheError", "StoreError", "StoreLockedError",
+    "Entry", "Store", "default_store_path",
+]
+
+from aotc.cache.maintenance import (  # noqa: E402
+    EntryInfo, GcPlan, Problem, StoreScan, VerifyReport, delete_entries, parse_size, plan_gc, scan,
+    verify,
+)
+
+__all__ += [
+    "EntryInfo", "GcPlan", "Problem", "StoreScan", "VerifyReport", "delete_entries", "parse_size",
+    "plan_gc", "scan", "verify",
+]

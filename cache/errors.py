@@ -1,0 +1,44 @@
+"""Errors raised by the store. The root of aotc's error hierarchy lives here so that
+``aotc.cache`` stays free of every other aotc module (and of torch); ``aotc.errors`` re-exports it."""
+
+from __future__ import annotations
+
+
+class AotcError(Exception):
+    """Base of every error aotc raises on purpose. ``exit_code`` is what the CLI exits with."""
+
+    exit_code: int = 1
+
+
+class StoreError(AotcError):
+    """The store cannot be used as asked (bad path, bad argument)."""
+
+
+class CacheMiss(StoreError):
+    """No entry under the key asked for."""
+
+    def __init__(self, key: str, hint: str = "") -> None:
+        self.key = key
+        msg = f"no store entry for key {key[:16]}…"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+
+
+class CorruptedCacheError(StoreError):
+    """A blob's bytes do not hash to its name, or an entry points at a blob that is missing."""
+
+    def __init__(self, key: str, role: str, digest: str, problem: str) -> None:
+        self.key, self.role, self.digest, self.problem = key, role, digest, problem
+        super().__init__(
+            f"store entry {key[:16]}… blob {role!r} ({digest[:16]}…) is corrupt: {problem}; "
+            "the entry was marked bad; run `aotc verify --repair` to evict it"
+        )
+
+
+class StoreLockedError(StoreError):
+    """The sqlite index stayed locked by another process beyond the busy timeout."""
+
+    def __init__(self, path: str, seconds: float) -> None:
+        super().__init__(
+            f"store index {path} stayed locked for {seconds:.0f}s by another process; "
+            "retry, or find the process holding it (`fuser {path}`)"
+        )

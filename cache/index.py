@@ -1,0 +1,152 @@
+"""The sqlite index of the store, kept with sqlite-utils (``sqlite-utils tables index.sqlite`` works).
+
+Tables:
+- ``entries``: key (pk), name, factors (JSON), metadata (JSON), created, last_used, hits, bad
+- ``blobs``: digest (pk), size (uncompressed), stored_size (compressed, on disk), created
+- ``entry_blobs``: (key, role) pk → digest
+- ``events``: id, time, key, kind ("hit" | "miss" | "put" | "corrupt" | "delete"), detail
+
+Schema creation and reads go through sqlite-utils; write transactions are explicit
+``BEGIN IMMEDIATE`` … ``COMMIT`` on the same connection (sqlite-utils' own insert helpers commit
+on their own, which would end our transaction early).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import sqlite_utils
+
+from aotc.cache.errors import StoreError, StoreLockedError
+
+SCHEMA_VERSION = 1
+
+
+def _is_locked(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+class Index:
+    """One connection per thread to ``index.sqlite`` in WAL mode with a busy timeout."""
+
+    def __init__(self, path: Path, busy_timeout: float = 30.0) -> None:
+        self.path = path
+        self.busy_timeout = busy_timeout
+        self._local = threading.local()
+        with self._translate():
+            self._create_schema()
+
+    # -- connection -------------------------------------------------------------------------
+    @property
+    def conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(
+                    str(self.path), timeout=self.busy_timeout, isolation_level=None
+                )
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot open store index {self.path}: {exc}") from exc
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+            self._local.conn = conn
+        return conn
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite_utils.Database(self.conn)
+            self._local.db = db
+        return db
+
+    def close(self) -> None:
+        """Close this thread's connection."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+            self._local.db = None
+
+    @contextmanager
+    def _translate(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if _is_locked(exc):
+                raise StoreLockedError(str(self.path), self.busy_timeout) from exc
+            raise StoreError(f"store index {self.path}: {exc}; run `aotc verify`") from exc
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(
+                f"store index {self.path} is not a usable sqlite database ({exc}); "
+                "move it away and run `aotc verify --repair` to rebuild an empty index"
+            ) from exc
+
+    def _create_schema(self) -> None:
+        db = self.db
+        if db.journal_mode != "wal":
+            for attempt in range(50):
+                try:
+                    db.enable_wal()
+                    break
+                except sqlite3.OperationalError as exc:
+                    if not _is_locked(exc) or attempt == 49:
+                        raise
+                    time.sleep(0.05)
+        with self.write() as conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS [entries] ([key] TEXT PRIMARY KEY, [name] TEXT NOT NULL,"
+                " [factors] TEXT NOT NULL, [metadata] TEXT NOT NULL, [created] FLOAT NOT NULL,"
+                " [last_used] FLOAT NOT NULL, [hits] INTEGER NOT NULL DEFAULT 0, [bad] TEXT)"
+            )
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS [blobs] ([digest] TEXT PRIMARY KEY,"
+                " [size] INTEGER NOT NULL, [stored_size] INTEGER NOT NULL, [created] FLOAT NOT NULL)"
+            )
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS [entry_blobs] ([key] TEXT NOT NULL, [role] TEXT NOT NULL,"
+                " [digest] TEXT NOT NULL, PRIMARY KEY ([key], [role]))"
+            )
+            conn.execute(
+                "CREATE INDEX IF NOT EXISTS [idx_entry_blobs_digest] ON [entry_blobs] ([digest])"
+            )
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS [events] ([id] INTEGER PRIMARY KEY, [time] FLOAT NOT NULL,"
+                " [key] TEXT, [kind] TEXT NOT NULL, [detail] TEXT)"
+            )
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS [meta] ([name] TEXT PRIMARY KEY, [value] TEXT)"
+            )
+            conn.execute(
+                "INSERT OR IGNORE INTO [meta] ([name], [value]) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+
+    # -- transactions -----------------------------------------------------------------------
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """An immediate (write-locked) transaction: commit on success, roll back on error."""
+        conn = self.conn
+        with self._translate():
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        """Rows of a read query as dicts."""
+        with self._translate():
+            return list(self.db.query(sql, params))
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
+        """One autocommitted statement (used for accounting: hits, last use, events)."""
+        with self._translate():
+            self.conn.execute(sql, params)

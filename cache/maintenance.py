@@ -1,0 +1,415 @@
+"""Looking after a store: scan (fast, no hashing), verify (re-hash everything), gc and deletion.
+
+Everything returns frozen dataclasses with raw ints and ``*_str`` properties; corrupt parts found
+while scanning are collected as warnings, never raised. Deletion is a plan with
+``expected_freed_size`` and ``.execute()``, so a dry run costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from aotc.cache import blobio
+from aotc.cache.humanize import format_age, format_size
+
+if TYPE_CHECKING:
+    from aotc.cache.store import Store
+
+DEFAULT_TMP_GRACE = 3600.0  # a staging file younger than this may belong to a live writer
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One entry as the index describes it."""
+
+    key: str
+    name: str
+    blob_count: int
+    size: int
+    stored_size: int
+    created: float
+    last_used: float
+    hits: int
+    bad: str | None
+    pieces: int | None = None
+    shapes: tuple[str, ...] = ()
+
+    @property
+    def key_short(self) -> str:
+        return self.key[:12]
+
+    @property
+    def size_str(self) -> str:
+        return format_size(self.size)
+
+    @property
+    def stored_size_str(self) -> str:
+        return format_size(self.stored_size)
+
+    @property
+    def created_str(self) -> str:
+        return format_age(self.created)
+
+    @property
+    def last_used_str(self) -> str:
+        return format_age(self.last_used)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON for ``--json`` output."""
+        return {
+            "key": self.key, "name": self.name, "blobs": self.blob_count, "size": self.size,
+            "stored_size": self.stored_size, "created": self.created, "last_used": self.last_used,
+            "hits": self.hits, "bad": self.bad, "pieces": self.pieces, "shapes": list(self.shapes),
+        }
+
+
+@dataclass(frozen=True)
+class StoreScan:
+    """What ``scan`` found: entries, totals and warnings (nothing is hashed)."""
+
+    root: str
+    entries: tuple[EntryInfo, ...]
+    size_on_disk: int
+    orphan_blobs: tuple[str, ...]
+    stale_tmp_files: tuple[str, ...]
+    hits: int
+    misses: int
+    warnings: tuple[str, ...]
+
+    @property
+    def size_on_disk_str(self) -> str:
+        return format_size(self.size_on_disk)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "root": self.root, "entries": [e.to_json() for e in self.entries],
+            "size_on_disk": self.size_on_disk, "orphan_blobs": list(self.orphan_blobs),
+            "stale_tmp_files": list(self.stale_tmp_files), "hits": self.hits,
+            "misses": self.misses, "warnings": list(self.warnings),
+        }
+
+
+def _blob_files(store: Store) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    if not store.blobs_dir.is_dir():
+        return found
+    for sub in store.blobs_dir.iterdir():
+        if sub.is_dir():
+            for f in sub.iterdir():
+                found[f.name] = f
+    return found
+
+
+def _tmp_files(store: Store, grace: float) -> list[Path]:
+    if not store.tmp_dir.is_dir():
+        return []
+    cutoff = time.time() - grace
+    out = []
+    for f in store.tmp_dir.iterdir():
+        try:
+            if f.stat().st_mtime <= cutoff:
+                out.append(f)
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def scan(store: Store, tmp_grace: float = DEFAULT_TMP_GRACE) -> StoreScan:
+    """Describe the store from its index and a directory listing (no blob is decompressed)."""
+    warnings: list[str] = []
+    files = _blob_files(store)
+    blob_rows = {r["digest"]: r for r in store.index.query("SELECT * FROM blobs")}
+    refs = store.index.query("SELECT key, role, digest FROM entry_blobs")
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for ref in refs:
+        by_key.setdefault(ref["key"], []).append(ref)
+    entries = []
+    for row in store.index.query("SELECT * FROM entries ORDER BY last_used DESC"):
+        key = str(row["key"])
+        size = stored = 0
+        for ref in by_key.get(key, []):
+            blob = blob_rows.get(ref["digest"])
+            if blob is None:
+                warnings.append(f"entry {key[:12]} ({row['name']}): blob {ref['role']!r} has no index row")
+                continue
+            if ref["digest"] not in files:
+                warnings.append(
+                    f"entry {key[:12]} ({row['name']}): blob {ref['role']!r} "
+                    f"{str(ref['digest'])[:12]} is missing on disk"
+                )
+            size += int(blob["size"] or 0)
+            stored += int(blob["stored_size"] or 0)
+        pieces, shapes = None, ()
+        try:
+            meta = json.loads(row["metadata"])
+            pieces = meta.get("pieces") if isinstance(meta.get("pieces"), int) else None
+            if isinstance(meta.get("shapes"), list):
+                shapes = tuple(str(s) for s in meta["shapes"])
+        except (TypeError, ValueError, AttributeError):
+            warnings.append(f"entry {key[:12]} ({row['name']}): metadata is not valid JSON")
+        if row["bad"] is not None:
+            warnings.append(f"entry {key[:12]} ({row['name']}) is marked bad: {row['bad']}")
+        entries.append(EntryInfo(
+            key=key, name=str(row["name"]), blob_count=len(by_key.get(key, [])), size=size,
+            stored_size=stored, created=float(row["created"] or 0),
+            last_used=float(row["last_used"] or 0), hits=int(row["hits"] or 0), bad=row["bad"],
+            pieces=pieces, shapes=shapes,
+        ))
+    referenced = {r["digest"] for r in refs}
+    orphans = sorted(d for d in files if d not in referenced)
+    size_on_disk = 0
+    for f in files.values():
+        try:
+            size_on_disk += f.stat().st_size
+        except FileNotFoundError:
+            continue
+    counts = {r["kind"]: r["n"] for r in store.index.query(
+        "SELECT kind, COUNT(*) AS n FROM events WHERE kind IN ('hit', 'miss') GROUP BY kind")}
+    return StoreScan(
+        root=str(store.root), entries=tuple(entries), size_on_disk=size_on_disk,
+        orphan_blobs=tuple(orphans),
+        stale_tmp_files=tuple(sorted(f.name for f in _tmp_files(store, tmp_grace))),
+        hits=int(counts.get("hit", 0)), misses=int(counts.get("miss", 0)), warnings=tuple(warnings),
+    )
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing verify found wrong."""
+
+    key: str | None
+    name: str | None
+    role: str | None
+    digest: str | None
+    kind: str  # corrupt | missing | garbage-row | marked-bad | orphan
+    detail: str
+
+    def describe(self) -> str:
+        where = f"entry {self.key[:12]} ({self.name})" if self.key else "store"
+        blob = f" blob {self.role!r} {str(self.digest)[:12]}" if self.role else ""
+        return f"{self.kind}: {where}{blob}: {self.detail}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "name": self.name, "role": self.role, "digest": self.digest,
+                "kind": self.kind, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The result of re-hashing every blob. ``ok`` is False when any entry is unusable."""
+
+    entries_checked: int
+    blobs_checked: int
+    bytes_checked: int
+    problems: tuple[Problem, ...]
+    bad_keys: tuple[str, ...]
+    repaired: bool = False
+    freed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_keys
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "entries_checked": self.entries_checked,
+                "blobs_checked": self.blobs_checked, "bytes_checked": self.bytes_checked,
+                "problems": [p.to_json() for p in self.problems], "bad_keys": list(self.bad_keys),
+                "repaired": self.repaired, "freed": self.freed}
+
+
+def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GRACE) -> VerifyReport:
+    """Re-hash every referenced blob once; name each bad entry and blob. With ``repair``, evict
+    bad entries, orphan blobs and stale staging files (marking entries bad as it goes)."""
+    problems: list[Problem] = []
+    bad: dict[str, str] = {}
+    blob_rows = {r["digest"]: r for r in store.index.query("SELECT * FROM blobs")}
+    entries = {r["key"]: r for r in store.index.query("SELECT * FROM entries")}
+    refs = store.index.query("SELECT key, role, digest FROM entry_blobs")
+    checked: dict[str, str | None] = {}  # digest -> problem (None = good)
+    nbytes = 0
+    for ref in refs:
+        key, role, digest = ref["key"], ref["role"], ref["digest"]
+        name = entries[key]["name"] if key in entries else None
+        if key not in entries:
+            problems.append(Problem(key, None, role, digest, "garbage-row",
+                                    "blob ref belongs to no entry"))
+            continue
+        if not blobio.is_digest(digest) or digest not in blob_rows:
+            problems.append(Problem(key, name, role, str(digest), "garbage-row",
+                                    "blob ref points at no valid blob row"))
+            bad[key] = f"blob {role!r}: broken index row"
+            continue
+        if digest not in checked:
+            row = blob_rows[digest]
+            try:
+                nbytes += blobio.hash_blob(store.blob_path(digest), digest, int(row["size"]))
+                checked[digest] = None
+            except blobio.BlobCorrupt as exc:
+                checked[digest] = str(exc)
+            except (TypeError, ValueError) as exc:
+                checked[digest] = f"index row is garbage ({exc})"
+        if checked[digest] is not None:
+            kind = "missing" if "missing" in str(checked[digest]) else "corrupt"
+            problems.append(Problem(key, name, role, digest, kind, str(checked[digest])))
+            bad[key] = f"blob {role!r} {digest[:16]}…: {checked[digest]}"
+    for key, row in entries.items():
+        try:
+            for col in ("factors", "metadata"):
+                if not isinstance(json.loads(row[col]), dict):
+                    raise ValueError(f"{col} is not a JSON object")
+        except (TypeError, ValueError) as exc:
+            problems.append(Problem(key, row["name"], None, None, "garbage-row", str(exc)))
+            bad[key] = f"index row is garbage ({exc})"
+        if row["bad"] is not None and key not in bad:
+            problems.append(Problem(key, row["name"], None, None, "marked-bad", str(row["bad"])))
+            bad[key] = str(row["bad"])
+    referenced = {r["digest"] for r in refs}
+    for digest in sorted(_blob_files(store)):
+        if digest not in referenced:
+            problems.append(Problem(None, None, None, digest, "orphan", "blob file used by no entry"))
+    for key, reason in bad.items():
+        if key in entries and entries[key]["bad"] is None:
+            store.mark_bad(key, reason)
+    freed = 0
+    if repair:
+        freed = delete_entries(store, list(bad))
+        freed += plan_gc(store, max_size=None, tmp_grace=tmp_grace).execute()
+    return VerifyReport(
+        entries_checked=len(entries), blobs_checked=len(checked), bytes_checked=nbytes,
+        problems=tuple(problems), bad_keys=tuple(sorted(bad)), repaired=repair, freed=freed,
+    )
+
+
+def _remove_unreferenced(store: Store, conn: Any, digests: Iterable[str]) -> int:
+    """Within a write transaction: delete blob rows and files no entry refers to."""
+    freed = 0
+    for digest in set(digests):
+        still = conn.execute("SELECT 1 FROM entry_blobs WHERE digest = ? LIMIT 1", (digest,)).fetchone()
+        if still:
+            continue
+        conn.execute("DELETE FROM blobs WHERE digest = ?", (digest,))
+        if blobio.is_digest(digest):
+            path = store.blob_path(digest)
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                pass
+    return freed
+
+
+def delete_entries(store: Store, keys: Iterable[str]) -> int:
+    """Delete entries and the blobs only they used, in one transaction; returns bytes freed."""
+    keys = list(keys)
+    if not keys:
+        return 0
+    now = time.time()
+    with store.index.write() as conn:
+        digests: list[str] = []
+        for key in keys:
+            digests += [r[0] for r in conn.execute(
+                "SELECT digest FROM entry_blobs WHERE key = ?", (key,))]
+            conn.execute("DELETE FROM entry_blobs WHERE key = ?", (key,))
+            conn.execute("DELETE FROM entries WHERE key = ?", (key,))
+            conn.execute("INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'delete', NULL)",
+                         (now, key))
+        return _remove_unreferenced(store, conn, digests)
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    """What a gc would delete; ``execute()`` does it (re-checking each blob under the lock)."""
+
+    store: Store = field(repr=False, compare=False)
+    entries: tuple[EntryInfo, ...]
+    orphan_blobs: tuple[str, ...]
+    tmp_files: tuple[str, ...]
+    expected_freed_size: int
+    size_before: int
+    max_size: int | None
+
+    @property
+    def expected_freed_size_str(self) -> str:
+        return format_size(self.expected_freed_size)
+
+    def execute(self) -> int:
+        """Delete what the plan names; returns the bytes actually freed."""
+        freed = delete_entries(self.store, [e.key for e in self.entries])
+        with self.store.index.write() as conn:
+            freed += _remove_unreferenced(self.store, conn, self.orphan_blobs)
+            # blob rows whose file vanished and that nobody references
+            rows = conn.execute("SELECT digest FROM blobs WHERE digest NOT IN"
+                                " (SELECT digest FROM entry_blobs)").fetchall()
+            freed += _remove_unreferenced(self.store, conn, [r[0] for r in rows])
+        for name in self.tmp_files:
+            path = self.store.tmp_dir / name
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        return freed
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entries": [e.to_json() for e in self.entries],
+                "orphan_blobs": list(self.orphan_blobs), "tmp_files": list(self.tmp_files),
+                "expected_freed_size": self.expected_freed_size, "size_before": self.size_before,
+                "max_size": self.max_size}
+
+
+def plan_gc(store: Store, max_size: int | None = None,
+            tmp_grace: float = DEFAULT_TMP_GRACE) -> GcPlan:
+    """Plan a collection: orphan blobs, staging files older than ``tmp_grace`` seconds, and — when
+    the store exceeds ``max_size`` bytes on disk — least recently used entries until it fits."""
+    s = scan(store, tmp_grace=tmp_grace)
+    files = _blob_files(store)
+    sizes: dict[str, int] = {}
+    for digest, path in files.items():
+        try:
+            sizes[digest] = path.stat().st_size
+        except FileNotFoundError:
+            sizes[digest] = 0
+    tmp = [store.tmp_dir / n for n in s.stale_tmp_files]
+    tmp_size = sum(p.stat().st_size for p in tmp if p.exists())
+    freed = tmp_size + sum(sizes.get(d, 0) for d in s.orphan_blobs)
+    victims: list[EntryInfo] = []
+    if max_size is not None:
+        users: dict[str, set[str]] = {}
+        for r in store.index.query("SELECT key, digest FROM entry_blobs"):
+            users.setdefault(r["digest"], set()).add(r["key"])
+        remaining = s.size_on_disk - sum(sizes.get(d, 0) for d in s.orphan_blobs)
+        gone: set[str] = set()
+        for entry in sorted(s.entries, key=lambda e: (e.last_used, e.created)):
+            if remaining <= max_size:
+                break
+            gone.add(entry.key)
+            victims.append(entry)
+            for digest, keys in users.items():
+                if entry.key in keys and keys <= gone:
+                    remaining -= sizes.get(digest, 0)
+                    freed += sizes.get(digest, 0)
+                    keys.clear()  # counted once
+    return GcPlan(store=store, entries=tuple(victims), orphan_blobs=s.orphan_blobs,
+                  tmp_files=s.stale_tmp_files, expected_freed_size=freed,
+                  size_before=s.size_on_disk, max_size=max_size)
+
+
+def parse_size(text: str) -> int:
+    """'10G', '512M', '1.5GiB', '1000' → bytes (binary units)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    mult = 1
+    if t and t[-1] in units:
+        mult, t = units[t[-1]], t[:-1]
+    try:
+        value = float(t)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 500M, 10G)") from None
+    if value < 0 or value != value:
+        raise ValueError(f"not a size: {text!r} (must be >= 0)")
+    return int(value * mult)
+

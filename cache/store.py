@@ -1,0 +1,319 @@
+"""The content-addressed store: ``put`` an entry atomically, ``get`` it back with verified bytes.
+
+Layout (see DESIGN.md "The store")::
+
+    <root>/CACHEDIR.TAG  <root>/.gitignore
+    <root>/store-v1/index.sqlite
+    <root>/store-v1/blobs/ab/abcdef…      zstd, named by the sha256 of the uncompressed bytes
+    <root>/store-v1/tmp/                  staging; garbage after a crash
+
+Write protocol: every blob is staged in ``tmp/``, fsynced and renamed into ``blobs/``; then one
+sqlite transaction checks that each blob file is still there and adds the entry with its blob
+refs. A crash leaves at most orphan blobs or staging files, never an entry pointing at a missing
+or partial blob. Read protocol: every blob is decompressed and re-hashed; a mismatch marks the
+entry bad and raises ``CorruptedCacheError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from aotc.cache import blobio
+from aotc.cache.errors import CacheMiss, CorruptedCacheError, StoreError
+from aotc.cache.index import Index
+
+LAYOUT = "store-v1"
+CACHEDIR_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by aotc.\n"
+    "# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+
+
+def default_store_path(env: Mapping[str, str] | None = None) -> Path:
+    """``AOTC_STORE``, else ``$XDG_CACHE_HOME/aotc``, else ``~/.cache/aotc``."""
+    env = os.environ if env is None else env
+    if env.get("AOTC_STORE"):
+        return Path(env["AOTC_STORE"]).expanduser()
+    xdg = env.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "aotc"
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """One named blob of an entry."""
+
+    role: str
+    digest: str
+    size: int
+    stored_size: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An entry as read from the index (its bytes are read on demand, verified)."""
+
+    key: str
+    name: str
+    factors: dict[str, Any] = field(hash=False)
+    metadata: dict[str, Any] = field(hash=False)
+    blobs: Mapping[str, BlobRef] = field(hash=False)
+    created: float = 0.0
+    last_used: float = 0.0
+    hits: int = 0
+
+    @property
+    def size(self) -> int:
+        """Uncompressed bytes of all its blobs."""
+        return sum(b.size for b in self.blobs.values())
+
+    @property
+    def stored_size(self) -> int:
+        """Compressed bytes of all its blobs on disk (shared blobs counted in full)."""
+        return sum(b.stored_size for b in self.blobs.values())
+
+
+def _validate_key(key: object) -> str:
+    if not blobio.is_digest(key):
+        raise StoreError(f"store key must be 64 lowercase hex characters (a sha256), got {key!r}")
+    return key  # type: ignore[return-value]
+
+
+class Store:
+    """A store rooted at ``root`` (created on first use). Safe across threads and processes."""
+
+    def __init__(self, root: str | os.PathLike[str], busy_timeout: float = 30.0) -> None:
+        self.root = Path(root).expanduser()
+        self.base = self.root / LAYOUT
+        self.blobs_dir = self.base / "blobs"
+        self.tmp_dir = self.base / "tmp"
+        self.index_path = self.base / "index.sqlite"
+        try:
+            self.blobs_dir.mkdir(parents=True, exist_ok=True)
+            self.tmp_dir.mkdir(parents=True, exist_ok=True)
+            tag = self.root / "CACHEDIR.TAG"
+            if not tag.exists():
+                tag.write_text(CACHEDIR_TAG)
+            ignore = self.root / ".gitignore"
+            if not ignore.exists():
+                ignore.write_text("*\n")
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create the store at {self.root}: {exc}; pass --store DIR or set AOTC_STORE"
+            ) from exc
+        self.index = Index(self.index_path, busy_timeout=busy_timeout)
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r})"
+
+    def close(self) -> None:
+        """Close this thread's index connection."""
+        self.index.close()
+
+    # -- paths ------------------------------------------------------------------------------
+    def blob_path(self, digest: str) -> Path:
+        """Where a blob lives (the digest is validated first: index rows may be garbage)."""
+        if not blobio.is_digest(digest):
+            raise ValueError(f"not a sha256 digest: {digest!r}")
+        return self.blobs_dir / digest[:2] / digest
+
+    # -- write ------------------------------------------------------------------------------
+    def put(
+        self,
+        key: str,
+        name: str,
+        blobs: Mapping[str, blobio.BlobSource],
+        factors: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Entry:
+        """Store an entry atomically: blobs (role → bytes or file path) first, the index row last.
+
+        Putting a key that exists replaces it (two compiles of one key leave one entry)."""
+        _validate_key(key)
+        factors_json = json.dumps(dict(factors or {}), sort_keys=True)
+        metadata_json = json.dumps(dict(metadata or {}), sort_keys=True)
+        for role in blobs:
+            if not isinstance(role, str) or not role:
+                raise StoreError(f"blob roles must be non-empty strings, got {role!r}")
+        staged: dict[str, blobio.StagedBlob] = {}
+        for role, source in blobs.items():
+            staged[role] = self._publish(source)
+        for _attempt in range(3):
+            now = time.time()
+            with self.index.write() as conn:
+                missing = [r for r, s in staged.items() if not self.blob_path(s.digest).exists()]
+                if not missing:
+                    conn.execute("DELETE FROM entry_blobs WHERE key = ?", (key,))
+                    for role, s in staged.items():
+                        conn.execute(
+                            "INSERT OR IGNORE INTO blobs (digest, size, stored_size, created)"
+                            " VALUES (?, ?, ?, ?)",
+                            (s.digest, s.size, s.stored_size, now),
+                        )
+                        conn.execute(
+                            "INSERT INTO entry_blobs (key, role, digest) VALUES (?, ?, ?)",
+                            (key, role, s.digest),
+                        )
+                    conn.execute(
+                        "INSERT OR REPLACE INTO entries (key, name, factors, metadata, created,"
+                        " last_used, hits, bad) VALUES (?, ?, ?, ?, ?, ?, 0, NULL)",
+                        (key, name, factors_json, metadata_json, now, now),
+                    )
+                    conn.execute(
+                        "INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'put', ?)",
+                        (now, key, name),
+                    )
+                    break
+            # a concurrent gc removed a blob we dedup'ed against: publish it again and retry
+            for role in missing:
+                staged[role] = self._publish(blobs[role])
+        else:
+            raise StoreError(f"could not put entry {key[:16]}…: its blobs kept being collected")
+        return self.get(key, record=False)
+
+    def _publish(self, source: blobio.BlobSource) -> blobio.StagedBlob:
+        s = blobio.stage_blob(source, self.tmp_dir)
+        dest = self.blob_path(s.digest)
+        if dest.exists():
+            s.path.unlink(missing_ok=True)  # same content already stored: dedup
+        else:
+            dest.parent.mkdir(exist_ok=True)
+            os.replace(s.path, dest)
+            blobio.fsync_dir(dest.parent)
+        return blobio.StagedBlob(s.digest, s.size, s.stored_size, dest)
+
+    # -- read -------------------------------------------------------------------------------
+    def has(self, key: str) -> bool:
+        """True when a (not known-bad) entry exists for ``key``; no accounting, no verification."""
+        rows = self.index.query("SELECT bad FROM entries WHERE key = ?", (key,))
+        return bool(rows) and rows[0]["bad"] is None
+
+    def get(self, key: str, record: bool = True) -> Entry:
+        """The entry for ``key``; raises ``CacheMiss`` or ``CorruptedCacheError``. With ``record``
+        a hit (or miss) is counted and the entry's last use is updated. Blob bytes are read with
+        ``read_blob`` / ``extract_blob``, which verify them."""
+        rows = self.index.query("SELECT * FROM entries WHERE key = ?", (key,))
+        if not rows:
+            if record:
+                self._event(key, "miss", None)
+            raise CacheMiss(key)
+        row = rows[0]
+        if row["bad"] is not None:
+            raise CorruptedCacheError(key, "entry", "-" * 16, f"marked bad earlier: {row['bad']}")
+        refs = self.index.query(
+            "SELECT eb.role, eb.digest, b.size, b.stored_size FROM entry_blobs eb"
+            " LEFT JOIN blobs b ON b.digest = eb.digest WHERE eb.key = ?",
+            (key,),
+        )
+        blobs: dict[str, BlobRef] = {}
+        for ref in refs:
+            if ref["size"] is None or not blobio.is_digest(ref["digest"]):
+                self.mark_bad(key, f"index row for blob {ref['role']!r} is broken")
+                raise CorruptedCacheError(
+                    key, str(ref["role"]), str(ref["digest"]), "its index row is missing or garbage"
+                )
+            blobs[ref["role"]] = BlobRef(ref["role"], ref["digest"], ref["size"], ref["stored_size"])
+        try:
+            factors = json.loads(row["factors"])
+            metadata = json.loads(row["metadata"])
+            if not isinstance(factors, dict) or not isinstance(metadata, dict):
+                raise ValueError("not a JSON object")
+        except (TypeError, ValueError) as exc:
+            self.mark_bad(key, f"index row is garbage ({exc})")
+            raise CorruptedCacheError(key, "entry", "-" * 16, f"index row is garbage ({exc})") from exc
+        entry = Entry(
+            key=key, name=str(row["name"]), factors=factors, metadata=metadata, blobs=blobs,
+            created=float(row["created"]), last_used=float(row["last_used"]), hits=int(row["hits"]),
+        )
+        if record:
+            now = time.time()
+            self.index.execute(
+                "UPDATE entries SET hits = hits + 1, last_used = ? WHERE key = ?", (now, key)
+            )
+            self._event(key, "hit", None)
+        return entry
+
+    def read_blob(self, entry: Entry, role: str) -> bytes:
+        """The verified uncompressed bytes of one blob of ``entry``."""
+        ref = self._ref(entry, role)
+        try:
+            return blobio.read_blob_bytes(self.blob_path(ref.digest), ref.digest, ref.size)
+        except blobio.BlobCorrupt as exc:
+            self._corrupt(entry.key, ref, str(exc))
+            raise AssertionError("unreachable")  # pragma: no cover
+
+    def extract_blob(self, entry: Entry, role: str, dest: str | os.PathLike[str]) -> Path:
+        """Stream one blob, verified, to ``dest`` (written beside it first, renamed when good)."""
+        ref = self._ref(entry, role)
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        partial = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
+        try:
+            with open(partial, "wb") as out:
+                blobio.stream_blob(self.blob_path(ref.digest), ref.digest, ref.size, out.write)
+        except blobio.BlobCorrupt as exc:
+            partial.unlink(missing_ok=True)
+            self._corrupt(entry.key, ref, str(exc))
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        os.replace(partial, dest)
+        return dest
+
+    def extract_blobs(
+        self, entry: Entry, dests: Mapping[str, str | os.PathLike[str]], workers: int | None = None
+    ) -> dict[str, Path]:
+        """Extract several blobs (role → destination) in parallel threads: zstd and sha256 release
+        the GIL, so a many-blob entry loads at the speed of all cores, not one."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = workers or min(len(dests), os.cpu_count() or 1) or 1
+        if workers == 1:
+            return {role: self.extract_blob(entry, role, d) for role, d in dests.items()}
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {role: pool.submit(self.extract_blob, entry, role, d) for role, d in dests.items()}
+            return {role: f.result() for role, f in futures.items()}
+
+    def _ref(self, entry: Entry, role: str) -> BlobRef:
+        try:
+            return entry.blobs[role]
+        except KeyError:
+            raise StoreError(
+                f"entry {entry.key[:16]}… has no blob {role!r} (it has {sorted(entry.blobs)})"
+            ) from None
+
+    def _corrupt(self, key: str, ref: BlobRef, problem: str) -> None:
+        self.mark_bad(key, f"blob {ref.role!r} {ref.digest[:16]}…: {problem}")
+        raise CorruptedCacheError(key, ref.role, ref.digest, problem)
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def mark_bad(self, key: str, reason: str) -> None:
+        """Flag an entry so it is never used again until repaired or re-put."""
+        self.index.execute("UPDATE entries SET bad = ? WHERE key = ?", (reason, key))
+        self._event(key, "corrupt", reason)
+
+    def record_miss(self, key: str, detail: str | None = None) -> None:
+        """Count a miss decided outside ``get`` (e.g. a compile that found nothing)."""
+        self._event(key, "miss", detail)
+
+    def _event(self, key: str | None, kind: str, detail: str | None) -> None:
+        self.index.execute(
+            "INSERT INTO events (time, key, kind, detail) VALUES (?, ?, ?, ?)",
+            (time.time(), key, kind, detail),
+        )
+
+    def delete(self, key: str) -> int:
+        """Delete an entry and every blob no other entry uses; returns the bytes freed on disk."""
+        from aotc.cache.maintenance import delete_entries
+
+        return delete_entries(self, [key])
+
+    def keys(self) -> list[str]:
+        """All entry keys, oldest first."""
+        return [r["key"] for r in self.index.query("SELECT key FROM entries ORDER BY created")]

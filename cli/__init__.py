@@ -1,0 +1,44 @@
+"""The ``aotc`` command line: thin click commands over the library.
+
+Each command parses its options, calls one library function and prints. ``AotcError`` becomes a
+one-line message and the error's exit code. Store commands never import torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from aotc.cli.common import AppContext, run_guarded
+from aotc.cli.store_commands import gc_command, inspect_group, verify_command
+
+__all__ = ["cli", "main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--store", "store_path", type=click.Path(file_okay=False), default=None,
+              help="Store directory (default: $AOTC_STORE, else $XDG_CACHE_HOME/aotc, else ~/.cache/aotc).")
+@click.version_option(package_name="aotc")
+@click.pass_context
+def cli(ctx: click.Context, store_path: str | None) -> None:
+    """aotc: compile a PyTorch model ahead of time, keep the artifacts in a store, warm-start fast."""
+    ctx.obj = AppContext(store_path)
+
+
+cli.add_command(inspect_group)
+cli.add_command(verify_command)
+cli.add_command(gc_command)
+
+try:  # commands that need torch are imported lazily inside their callbacks
+    from aotc.cli.compile_commands import register as _register_compile
+
+    _register_compile(cli)
+except ImportError:  # pragma: no cover - during bootstrap only
+    pass
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console-script entry point."""
+    return run_guarded(cli, sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,112 @@
+"""``aotc inspect cache``, ``aotc verify``, ``aotc gc``: the store made visible. No torch here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from aotc.cache import maintenance
+from aotc.cache.humanize import format_size
+from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
+
+_COLUMNS = ("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON DISK", "CREATED", "LAST USED", "HITS")
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+@click.group("inspect")
+def inspect_group() -> None:
+    """Look inside things aotc keeps."""
+
+
+@inspect_group.command("cache")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("-v", "--verbose", is_flag=True, help="Show full keys and the shapes of each entry.")
+@pass_app
+@guard
+def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
+    """List the store's entries (a table like `hf cache scan`) and a summary line."""
+    s = maintenance.scan(app.store)
+    if as_json:
+        print_json(s.to_json())
+        return
+    rows = [_COLUMNS]
+    for e in s.entries:
+        name = e.name + (" [BAD]" if e.bad else "")
+        rows.append((name, e.key if verbose else e.key_short, str(e.blob_count),
+                     "-" if e.pieces is None else str(e.pieces), e.size_str, e.stored_size_str,
+                     e.created_str, e.last_used_str, str(e.hits)))
+        if verbose and e.shapes:
+            rows.append(("", "  shapes: " + ", ".join(e.shapes), "", "", "", "", "", "", ""))
+    if s.entries:
+        click.echo(_table(rows))
+    else:
+        click.echo(f"store {s.root} is empty")
+    click.echo(
+        f"\n{len(s.entries)} entries, {s.size_on_disk_str} on disk, {len(s.orphan_blobs)} orphan "
+        f"blobs, {s.hits} hits / {s.misses} misses, {len(s.warnings)} warnings ({s.root})"
+    )
+    for w in s.warnings:
+        click.echo(f"warning: {w}", err=True)
+
+
+@click.command("verify")
+@click.option("--repair", is_flag=True, help="Evict bad entries, orphan blobs and stale staging files.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@pass_app
+@guard
+def verify_command(app: AppContext, repair: bool, as_json: bool) -> None:
+    """Re-hash every blob; exit 1 when any entry is corrupt or missing a blob."""
+    report = maintenance.verify(app.store, repair=repair)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        for p in report.problems:
+            click.echo(p.describe())
+        state = "clean" if report.ok else f"{len(report.bad_keys)} bad entries"
+        click.echo(
+            f"verified {report.entries_checked} entries, {report.blobs_checked} blobs, "
+            f"{format_size(report.bytes_checked)}: {state}"
+            + (f"; repaired, freed {format_size(report.freed)}" if repair else "")
+        )
+        if not report.ok and not repair:
+            echo_err("run `aotc verify --repair` to evict the bad entries (recompile them after)")
+    if not report.ok and not repair:
+        sys.exit(1)
+
+
+@click.command("gc")
+@click.option("--max-size", default=None, metavar="SIZE",
+              help="Evict least recently used entries until the store fits (e.g. 10G, 500M).")
+@click.option("--dry-run", is_flag=True, help="Print what would be freed; delete nothing.")
+@click.option("--tmp-grace", default=maintenance.DEFAULT_TMP_GRACE, type=float, show_default=True,
+              help="Seconds a staging file must be idle before it counts as garbage.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@pass_app
+@guard
+def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: float,
+               as_json: bool) -> None:
+    """Remove orphan blobs, stale staging files and, with --max-size, the least recently used entries."""
+    try:
+        limit = None if max_size is None else maintenance.parse_size(max_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-size") from None
+    plan = maintenance.plan_gc(app.store, max_size=limit, tmp_grace=tmp_grace)
+    freed = 0 if dry_run else plan.execute()
+    if as_json:
+        out = plan.to_json()
+        out.update(dry_run=dry_run, freed=freed)
+        print_json(out)
+        return
+    verb = "would free" if dry_run else "freed"
+    for e in plan.entries:
+        click.echo(f"evict {e.name} {e.key_short} ({e.stored_size_str}, last used {e.last_used_str})")
+    click.echo(
+        f"{verb} {format_size(plan.expected_freed_size if dry_run else freed)}: "
+        f"{len(plan.entries)} entries, {len(plan.orphan_blobs)} orphan blobs, "
+        f"{len(plan.tmp_files)} staging files (store was {format_size(plan.size_before)})"
+    )

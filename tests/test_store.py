@@ -1,0 +1,236 @@
+"""The store: round trips, dedup, corruption handling (real sqlite + zstd on disk)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import sys
+from pathlib import Path
+
+import pytest
+
+from aotc.cache import CacheMiss, CorruptedCacheError, Store, StoreError, plan_gc, scan, verify
+
+
+def key(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, (1 << 20) + 7, 64 << 20])
+def test_round_trip_sizes(store: Store, tmp_path: Path, size: int) -> None:
+    block = os.urandom(min(size, 1 << 20))
+    data = (block * (size // max(len(block), 1) + 1))[:size]
+    assert len(data) == size
+    entry = store.put(key(f"s{size}"), "rt", {"blob": data}, factors={"a": 1}, metadata={"m": [1, 2]})
+    got = store.get(entry.key)
+    assert got.factors == {"a": 1} and got.metadata == {"m": [1, 2]}
+    assert got.blobs["blob"].size == size
+    assert store.read_blob(got, "blob") == data
+    out = store.extract_blob(got, "blob", tmp_path / "out" / "blob.bin")
+    assert out.read_bytes() == data
+
+
+def test_put_from_file_streams(store: Store, tmp_path: Path) -> None:
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"x" * (5 << 20) + os.urandom(1000))
+    entry = store.put(key("file"), "f", {"lib": src})
+    assert entry.blobs["lib"].digest == hashlib.sha256(src.read_bytes()).hexdigest()
+    assert entry.blobs["lib"].stored_size < entry.blobs["lib"].size // 10  # compressed
+    assert store.read_blob(entry, "lib") == src.read_bytes()
+
+
+def test_layout_and_markers(store: Store) -> None:
+    assert (store.root / "CACHEDIR.TAG").read_text().startswith("Signature: 8a477f597d28d172789f06886806bc55")
+    assert (store.root / ".gitignore").read_text() == "*\n"
+    entry = store.put(key("x"), "x", {"r": b"abc"})
+    digest = entry.blobs["r"].digest
+    assert (store.root / "store-v1" / "blobs" / digest[:2] / digest).is_file()
+    assert (store.root / "store-v1" / "index.sqlite").is_file()
+    conn = sqlite3.connect(store.index_path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"entries", "blobs", "entry_blobs", "events"} <= tables
+
+
+def test_shared_blob_stored_once_and_survives_delete(store: Store) -> None:
+    shared = os.urandom(100_000)
+    a = store.put(key("a"), "a", {"s": shared, "own": b"a"})
+    b = store.put(key("b"), "b", {"s": shared, "own": b"b"})
+    assert a.blobs["s"].digest == b.blobs["s"].digest
+    files = [p for p in store.blobs_dir.rglob("*") if p.is_file()]
+    assert len(files) == 3
+    freed = store.delete(a.key)
+    assert freed > 0
+    assert not store.has(a.key)
+    assert store.read_blob(store.get(b.key), "s") == shared
+    assert store.read_blob(store.get(b.key), "own") == b"b"
+    assert len([p for p in store.blobs_dir.rglob("*") if p.is_file()]) == 2
+    assert verify(store).ok
+
+
+def test_put_same_key_twice_leaves_one_entry(store: Store) -> None:
+    store.put(key("k"), "first", {"x": b"1"})
+    store.put(key("k"), "second", {"x": b"2"})
+    assert store.keys() == [key("k")]
+    entry = store.get(key("k"))
+    assert entry.name == "second" and store.read_blob(entry, "x") == b"2"
+    assert plan_gc(store).orphan_blobs  # the old "1" blob is now unused
+    plan_gc(store).execute()
+    assert verify(store).ok and not verify(store).problems
+
+
+def test_miss_and_hit_accounting(store: Store) -> None:
+    with pytest.raises(CacheMiss):
+        store.get(key("nope"))
+    store.put(key("k"), "k", {"x": b"1"})
+    before = store.get(key("k"), record=False)
+    store.get(key("k"))
+    store.get(key("k"))
+    after = store.get(key("k"), record=False)
+    assert after.hits == 2 and after.last_used >= before.last_used
+    s = scan(store)
+    assert (s.hits, s.misses) == (2, 1)
+
+
+def test_bad_key_rejected(store: Store) -> None:
+    with pytest.raises(StoreError, match="64 lowercase hex"):
+        store.put("../../etc/passwd", "x", {"a": b""})
+
+
+def test_store_never_imports_torch(tmp_path: Path) -> None:
+    import subprocess
+
+    code = ("import sys; from aotc.cache import Store, scan, verify; import aotc.cli; "
+            f"s = Store({str(tmp_path)!r}); scan(s); verify(s); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- corruption -----------------------------------------------------------------------------
+
+def _blob_file(store: Store, entry, role: str) -> Path:
+    return store.blob_path(entry.blobs[role].digest)
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
+def _swap(path: Path) -> None:  # a valid zstd frame of other bytes: only the hash can tell
+    import zstandard
+
+    path.write_bytes(zstandard.ZstdCompressor().compress(b"y" * 200_000))
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate, _delete, _swap])
+def test_damaged_blob_never_returned(store: Store, tmp_path: Path, damage) -> None:
+    good = store.put(key("good"), "good", {"x": os.urandom(50_000)})
+    data = os.urandom(100_000) + b"z" * 100_000
+    entry = store.put(key("bad"), "bad", {"x": data, "other": b"fine"})
+    damage(_blob_file(store, entry, "x"))
+    with pytest.raises(CorruptedCacheError) as info:
+        store.read_blob(store.get(entry.key), "x")
+    msg = str(info.value)
+    assert entry.key[:16] in msg and "'x'" in msg and "aotc verify --repair" in msg
+    # marked bad: never used again, not even through another path
+    with pytest.raises(CorruptedCacheError):
+        store.get(entry.key)
+    assert not store.has(entry.key)
+    dest = tmp_path / "dest.bin"
+    with pytest.raises(CorruptedCacheError):
+        store.extract_blob(entry, "x", dest)
+    assert not dest.exists() and not list(tmp_path.glob(".dest.bin*"))
+    report = verify(store)
+    assert not report.ok and report.bad_keys == (entry.key,)
+    assert any(p.role == "x" and p.key == entry.key for p in report.problems)
+    repaired = verify(store, repair=True, tmp_grace=0)
+    assert repaired.repaired
+    assert store.keys() == [good.key]
+    after = verify(store)
+    assert after.ok and not after.problems
+    assert store.read_blob(store.get(good.key), "x") == store.read_blob(good, "x")
+
+
+def test_damage_detected_by_verify_before_any_get(store: Store) -> None:
+    entry = store.put(key("e"), "e", {"x": os.urandom(10_000)})
+    _flip(_blob_file(store, entry, "x"))
+    report = verify(store)
+    assert not report.ok
+    assert [p.kind for p in report.problems] == ["corrupt"]
+
+
+@pytest.mark.parametrize("sql", [
+    "UPDATE entries SET metadata = 'not json{' ",
+    "UPDATE entry_blobs SET digest = '../../../etc/passwd'",
+    "DELETE FROM blobs",
+    "UPDATE entries SET factors = '[1, 2]'",
+])
+def test_garbage_index_rows(store: Store, sql: str) -> None:
+    entry = store.put(key("g"), "g", {"x": b"payload"})
+    conn = sqlite3.connect(store.index_path)
+    conn.execute(sql)
+    conn.commit()
+    conn.close()
+    with pytest.raises(CorruptedCacheError):
+        e = store.get(entry.key)
+        store.read_blob(e, "x")
+    s = scan(store)
+    assert s.warnings  # collected, not raised
+    report = verify(store)
+    assert not report.ok and entry.key in report.bad_keys
+    verify(store, repair=True, tmp_grace=0)
+    assert store.keys() == []
+    assert verify(store).ok
+
+
+def test_gc_lru_by_last_use(store: Store) -> None:
+    import time
+
+    entries = []
+    for i in range(4):
+        entries.append(store.put(key(f"e{i}"), f"e{i}", {"x": os.urandom(200_000)}))
+        time.sleep(0.01)
+    store.get(entries[0].key)  # e0 is now the most recently used
+    total = scan(store).size_on_disk
+    plan = plan_gc(store, max_size=total - 1)
+    assert [e.name for e in plan.entries] == ["e1"]
+    plan = plan_gc(store, max_size=total // 2 + 10)
+    assert [e.name for e in plan.entries] == ["e1", "e2"]
+    expected = plan.expected_freed_size
+    assert store.keys() == [e.key for e in entries]  # planning deleted nothing
+    freed = plan.execute()
+    assert freed == expected
+    assert sorted(store.keys()) == sorted([entries[0].key, entries[3].key])
+    assert scan(store).size_on_disk <= total // 2 + 10
+    assert verify(store).ok
+
+
+def test_gc_removes_stale_tmp_only_after_grace(store: Store) -> None:
+    stale = store.tmp_dir / "blob-123-abc.zst"
+    stale.write_bytes(b"partial")
+    assert plan_gc(store).tmp_files == ()  # may belong to a live writer
+    plan = plan_gc(store, tmp_grace=0)
+    assert plan.tmp_files == (stale.name,)
+    plan.execute()
+    assert not stale.exists()
+
+
+def test_scan_reports_metadata_and_json(store: Store) -> None:
+    store.put(key("m"), "model", {"a": b"1", "b": b"22"}, metadata={"pieces": 5, "shapes": ["dyn", "8"]})
+    s = scan(store)
+    (e,) = s.entries
+    assert (e.name, e.blob_count, e.size, e.pieces, e.shapes) == ("model", 2, 3, 5, ("dyn", "8"))
+    assert e.size_str == "3B" and e.key_short == key("m")[:12]
+    json.dumps(s.to_json())
