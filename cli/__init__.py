@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from aotc.cli.common import AppContext, run_guarded
+from aotc.cli.compile_commands import register as register_compile_commands
 from aotc.cli.store_commands import gc_command, inspect_group, verify_command
 
 __all__ = ["cli", "main"]
@@ -31,12 +32,7 @@ cli.add_command(inspect_group)
 cli.add_command(verify_command)
 cli.add_command(gc_command)
 
-try:  # commands that need torch are imported lazily inside their callbacks
-    from aotc.cli.compile_commands import register as _register_compile
-
-    _register_compile(cli)
-except ImportError:  # pragma: no cover - during bootstrap only
-    pass
+register_compile_commands(cli)  # they import torch inside their callbacks only
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -1,0 +1,289 @@
+"""The compile journey: manifest → model → one Dynamo capture → split at attention → compile each
+UNIQUE piece once per shape (dynamic + every compile size) → reload the artifacts as the loader
+will → numeric check against eager → one ``store.put``.
+
+A second compile of an unchanged manifest finds the entry without tracing (``aotc.resolve``) and
+does nothing. Nothing is stored when any step fails, the numeric check included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotc import inductor
+from aotc.build import build_model, dynamic_dims, make_inputs
+from aotc.cache import Store, default_store_path
+from aotc.capture import capture
+from aotc.errors import AotcError, NumericMismatchError, SplitError
+from aotc.graphcode import encode_graph
+from aotc.key import compute_key
+from aotc.manifest import Manifest, load_manifest
+from aotc.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
+from aotc.progress import Progress
+from aotc.resolve import base_factors, full_factors, resolve
+from aotc.runner import Runner
+from aotc.split import node_op_names, split
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What a compile did. ``compiles`` counts Inductor compilations actually run (0 on a hit)."""
+
+    key: str
+    name: str
+    hit: bool
+    pieces: int
+    unique_pieces: int
+    compiles: int
+    traces: int
+    seconds: dict[str, float]
+    bytes_stored: int
+    max_abs_err: float | None
+    numerics: dict[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    store: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "name": self.name, "hit": self.hit, "pieces": self.pieces,
+                "unique_pieces": self.unique_pieces, "compiles": self.compiles,
+                "traces": self.traces, "seconds": self.seconds, "bytes_stored": self.bytes_stored,
+                "max_abs_err": self.max_abs_err, "numerics": self.numerics,
+                "warnings": list(self.warnings), "store": self.store}
+
+
+def open_store(store: Any, manifest: Manifest | None = None) -> Store:
+    """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default."""
+    if isinstance(store, Store):
+        return store
+    if store is not None:
+        return Store(store)
+    if manifest is not None and manifest.store is not None:
+        return Store(manifest.store)
+    return Store(default_store_path())
+
+
+def as_manifest(manifest: Manifest | str | Path) -> Manifest:
+    return manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
+
+
+def check_sizes(manifest: Manifest) -> list[int]:
+    """Sizes of the numeric check: every compile size, one between them, one above the largest."""
+    sizes = sorted(set(manifest.compile_sizes))
+    between = [n for n in range(2, (max(sizes) if sizes else 8)) if n not in sizes]
+    extra = [between[len(between) // 2]] if between else []
+    above = [min(manifest.max_tokens, (max(sizes) if sizes else 8) + 3)]
+    return sorted(set(sizes + extra + above))
+
+
+def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, Any]:
+    """Compare the stitched program with eager at ``check_sizes``; raise above tolerance."""
+    import torch
+
+    per_size: dict[str, dict[str, float]] = {}
+    failures = []
+    tol = manifest.tolerance
+    for n in check_sizes(manifest):
+        if n < runner.program.min_dynamic_tokens and n not in manifest.compile_sizes:
+            continue
+        inputs = make_inputs(manifest, n, seed=1)
+        with torch.no_grad():
+            want = model(*inputs)
+            got = runner(*inputs)
+        diff = (got.float() - want.float()).abs()
+        abs_err = float(diff.max()) if diff.numel() else 0.0
+        rel_err = float((diff / want.float().abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
+        per_size[str(n)] = {"max_abs_err": abs_err, "max_rel_err": rel_err}
+        if not torch.allclose(got.float(), want.float(), atol=tol.atol, rtol=tol.rtol):
+            failures.append(f"{n} tokens: max abs err {abs_err:.3g}")
+    if failures:
+        raise NumericMismatchError(
+            f"compiled program differs from eager beyond atol={tol.atol}, rtol={tol.rtol}: "
+            + "; ".join(failures) + "; nothing was stored (loosen `tolerance` or check the model)"
+        )
+    worst = max((v["max_abs_err"] for v in per_size.values()), default=0.0)
+    return {"sizes": per_size, "max_abs_err": worst, "atol": tol.atol, "rtol": tol.rtol}
+
+
+def _check_splitting_ops(manifest: Manifest, gm: Any, pieces: int, warnings: list[str]) -> None:
+    if manifest.splitting_ops and pieces == 1:
+        seen = sorted({n for node in gm.graph.nodes for n in node_op_names(node) if "::" in n})
+        where = f"{manifest.path or '<manifest>'}: splitting_ops"
+        raise SplitError(
+            f"{where}: none of {list(manifest.splitting_ops)} is called by the traced model "
+            f"(ops seen: {', '.join(seen[:10])}{'…' if len(seen) > 10 else ''}); fix the op names"
+        )
+
+
+def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: bool = False,
+                     progress: Progress | None = None) -> CompileResult:
+    """Compile the model a manifest names and put the program in the store (see module doc)."""
+    progress = progress or Progress(quiet=True)
+    manifest = as_manifest(manifest)
+    store = open_store(store, manifest)
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    toolchain = inductor.toolchain_factors(manifest.device)
+    base = base_factors(manifest, toolchain)
+    if not force:
+        found = resolve(manifest, store, toolchain, record=False)
+        if found.entry is not None:
+            seconds["lookup"] = time.perf_counter() - t
+            meta = found.entry.metadata
+            return CompileResult(
+                key=found.entry.key, name=manifest.name, hit=True, pieces=int(meta.get("pieces", 0)),
+                unique_pieces=int(meta.get("unique_pieces", 0)), compiles=0, traces=0,
+                seconds=seconds, bytes_stored=0,
+                max_abs_err=meta.get("numerics", {}).get("max_abs_err"),
+                numerics=meta.get("numerics", {}), store=str(store.root))
+    seconds["lookup"] = time.perf_counter() - t
+
+    progress.phase("build", f"{manifest.model.factory or manifest.model.hf.architecture}")  # type: ignore[union-attr]
+    t = time.perf_counter()
+    model = build_model(manifest)
+    seconds["build"] = time.perf_counter() - t
+
+    progress.phase("capture", "Dynamo, token dim dynamic")
+    t = time.perf_counter()
+    trace_n = min(manifest.max_tokens, 7)
+    captured = capture(model, make_inputs(manifest, trace_n), dynamic_dims(manifest))
+    seconds["capture"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    parts = split(captured.gm, list(manifest.splitting_ops))
+    warnings = list(parts.warnings)
+    _check_splitting_ops(manifest, captured.gm, len(parts.pieces), warnings)
+    uid_of: dict[str, str] = {}
+    first_of: dict[str, Any] = {}
+    for p in parts.pieces:
+        if not p.is_splitting:
+            full = inductor.piece_cache_key(p.gm, list(p.example_inputs), True,
+                                            options=dict(manifest.inductor))
+            uid = hashlib.sha256(full.encode()).hexdigest()[:16]
+            uid_of[p.name] = uid
+            first_of.setdefault(uid, p)
+    seconds["split"] = time.perf_counter() - t
+    progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
+    for w in warnings:
+        progress.note(w)
+
+    shapes: list[int | None] = [None, *manifest.compile_sizes]
+    if captured.dynamic == "static":
+        shapes = list(manifest.compile_sizes) or [None]
+    total = len(first_of) * len(shapes)
+    t = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="aotc-compile-") as tmp:
+        work = Path(tmp)
+        kernel_root = work / "kernels"
+        compiled: dict[tuple[str, int | None], inductor.CompiledPiece] = {}
+        kernel_files: set[str] = set()
+        done = 0
+        for uid, piece in first_of.items():
+            for size in shapes:
+                label = f"piece {uid[:8]} {'dynamic' if size is None else f'{size} tokens'}"
+                progress.step(done, total, label)
+                c = inductor.compile_piece(piece.gm, list(piece.example_inputs), size,
+                                           work / f"{uid}-{size or 'dyn'}", dict(manifest.inductor))
+                compiled[(uid, size)] = c
+                _merge_kernels(c, kernel_root, kernel_files)
+                done += 1
+        progress.step(done, total, "compiled")
+        seconds["compile"] = time.perf_counter() - t
+
+        progress.phase("check", "reload artifacts, compare with eager")
+        t = time.perf_counter()
+        artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}")
+                     for (uid, size) in compiled]
+        kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
+        program = Program(
+            name=manifest.name, device=manifest.device, dtype=manifest.dtype,
+            slots=tuple(Slot(s.kind, s.fqn, s.index, s.dim) for s in captured.arg_spec),
+            inputs=tuple(_input_dict(s) for s in manifest.inputs),
+            stitch=encode_graph(parts.stitch),
+            pieces=tuple(
+                PieceRecord(p.name, "compiled", uid=uid_of[p.name]) if not p.is_splitting else
+                PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=_op_of(p.gm, manifest))
+                for p in parts.pieces),
+            artifacts=tuple(artifacts), kernel_roles=kernel_roles,
+            compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
+            max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
+            min_dynamic_tokens=_min_dynamic(captured),
+            source_files=dict(captured.source_files),
+        )
+        by_uid: dict[str, dict[int | None, Any]] = {}
+        for a in artifacts:  # reload exactly what will be stored, as the loader will
+            by_uid.setdefault(a.uid, {})[a.size] = inductor.load_piece(
+                compiled[(a.uid, a.size)].artifact, kernel_root, options=dict(manifest.inductor))
+        runner = Runner(program, by_uid, model)
+        numerics = numeric_check(runner, model, manifest)
+        program = _with_numerics(program, numerics)
+        seconds["check"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        factors = full_factors(base, dict(captured.source_files))
+        key = compute_key(factors)
+        blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json()}
+        for a in artifacts:
+            blobs[a.role] = compiled[(a.uid, a.size)].artifact
+        for rel, role in kernel_roles.items():
+            blobs[role] = kernel_root / rel
+        n_compiles = len(compiled)
+        metadata = {
+            "probe": compute_key(base), "pieces": len(parts.pieces), "unique_pieces": len(first_of),
+            "compiles": n_compiles, "shapes": ["dynamic" if s is None else str(s) for s in shapes],
+            "numerics": numerics, "torch": toolchain.get("torch"), "device": manifest.device,
+            "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        }
+        entry = store.put(key, manifest.name, blobs, factors=factors, metadata=metadata)
+        seconds["store"] = time.perf_counter() - t
+    progress.phase("stored", f"key {key[:16]}… ({entry.stored_size} bytes in {len(entry.blobs)} blobs)")
+    return CompileResult(
+        key=key, name=manifest.name, hit=False, pieces=len(parts.pieces),
+        unique_pieces=len(first_of), compiles=n_compiles, traces=1,
+        seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
+        max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
+        store=str(store.root))
+
+
+def _merge_kernels(c: inductor.CompiledPiece, root: Path, seen: set[str]) -> None:
+    """Gather every piece's kernel files under one root (paths are content-addressed by
+    Inductor, so one relative path always holds the same bytes)."""
+    for rel in c.kernel_files:
+        if rel not in seen:
+            dst = root / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(c.kernel_root / rel, dst)
+            seen.add(rel)
+
+
+def _input_dict(s: Any) -> dict[str, Any]:
+    return {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
+
+
+def _op_of(gm: Any, manifest: Manifest) -> str:
+    for node in gm.graph.nodes:
+        names = node_op_names(node)
+        for n in sorted(names):
+            if "::" in n:
+                return n
+    return "?"
+
+
+def _min_dynamic(captured: Any) -> int:
+    if captured.dynamic == "backed" and captured.token_range:
+        return int(captured.token_range[0] or 1)
+    return 1
+
+
+def _with_numerics(program: Program, numerics: dict[str, Any]) -> Program:
+    from dataclasses import replace
+
+    return replace(program, numerics=numerics)
+
+
+__all__ = ["AotcError", "CompileResult", "compile_manifest", "open_store", "check_sizes"]

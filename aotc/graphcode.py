@@ -1,0 +1,188 @@
+"""FX graphs as plain JSON, and a tiny interpreter to run them with no Dynamo and no FX codegen.
+
+The stitching graph (placeholders → piece calls → getitems → output) and each splitting piece
+(one attention call plus the odd getitem) are stored this way in the ``Program``: the format is
+ours, readable, free of pickle, and stable across torch versions as long as the ops exist.
+
+Node targets are written as
+- ``"op:ns::name.overload"`` for an ``OpOverload`` (resolved through ``torch.ops``),
+- ``"fn:module.qualname"`` for a Python callable (``operator.getitem``,
+  ``torch._C._nn.scaled_dot_product_attention``, …), resolved by import + getattr,
+- ``"mod:submod_3"`` for a ``call_module`` of the stitching graph (a piece),
+- ``"method:view"`` for a ``call_method``.
+Arguments are JSON with ``{"$node": name}``, ``{"$dtype": "float32"}``, ``{"$device": "cuda:0"}``,
+``{"$tuple": [...]}`` and ``{"$slice": [start, stop, step]}`` for the values JSON lacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx
+
+from aotc.errors import CompileError, LoadError
+
+Encoded = dict[str, Any]
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    t = node.target
+    if node.op == "call_module":
+        return f"mod:{t}"
+    if node.op == "call_method":
+        return f"method:{t}"
+    if isinstance(t, torch._ops.OpOverload):
+        return f"op:{t.name()}"
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return f"op:{t._qualified_op_name}"
+    mod, name = getattr(t, "__module__", None), getattr(t, "__qualname__", None) or getattr(t, "__name__", None)
+    if t is operator.getitem:
+        return "fn:operator.getitem"
+    if mod and name and "<" not in name:
+        if mod == "torch._C._nn" or (mod == "torch.nn.functional"):
+            return f"fn:{mod}.{name}"
+        try:
+            if _resolve_fn(f"{mod}.{name}") is t:
+                return f"fn:{mod}.{name}"
+        except LoadError:
+            pass
+    raise CompileError(f"cannot serialize graph node {node.name!r}: target {t!r} has no stable name")
+
+
+def _encode_arg(a: Any) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return {"$node": a.name}
+    if isinstance(a, tuple):
+        return {"$tuple": [_encode_arg(x) for x in a]}
+    if isinstance(a, list):
+        return [_encode_arg(x) for x in a]
+    if isinstance(a, dict):
+        return {"$dict": {str(k): _encode_arg(v) for k, v in a.items()}}
+    if isinstance(a, torch.dtype):
+        return {"$dtype": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {"$device": str(a)}
+    if isinstance(a, slice):
+        return {"$slice": [_encode_arg(a.start), _encode_arg(a.stop), _encode_arg(a.step)]}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    if isinstance(a, torch.memory_format):
+        return {"$memory_format": str(a).removeprefix("torch.")}
+    raise CompileError(f"cannot serialize graph argument {a!r} ({type(a).__name__})")
+
+
+def encode_graph(gm: torch.fx.GraphModule) -> Encoded:
+    """The graph of ``gm`` as JSON-able nodes. ``get_attr`` is refused (pieces take no constants
+    from the stitching graph: parameters are graph inputs)."""
+    nodes = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            nodes.append({"op": "placeholder", "name": n.name})
+        elif n.op == "output":
+            nodes.append({"op": "output", "name": n.name, "args": _encode_arg(n.args[0])})
+        elif n.op in ("call_function", "call_module", "call_method"):
+            nodes.append({"op": "call", "name": n.name, "target": _target_name(n),
+                          "args": _encode_arg(tuple(n.args)), "kwargs": _encode_arg(dict(n.kwargs))})
+        else:
+            raise CompileError(f"cannot serialize graph node {n.name!r} of kind {n.op!r}")
+    return {"nodes": nodes}
+
+
+def _resolve_fn(qualname: str) -> Callable[..., Any]:
+    parts = qualname.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for p in parts[i:]:
+                obj = getattr(obj, p)
+        except AttributeError:
+            break
+        return obj
+    raise LoadError(f"graph refers to {qualname!r}, which this torch does not have")
+
+
+def _resolve_op(name: str) -> Callable[..., Any]:
+    ns, _, rest = name.partition("::")
+    opname, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), opname)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError) as e:
+        raise LoadError(
+            f"graph calls op {name!r}, which is not registered in this process; import the module "
+            "that defines it (building the model from its manifest does)"
+        ) from e
+
+
+def _decode_arg(a: Any, env: Mapping[str, Any]) -> Any:
+    if isinstance(a, dict):
+        if "$node" in a:
+            return env[a["$node"]]
+        if "$tuple" in a:
+            return tuple(_decode_arg(x, env) for x in a["$tuple"])
+        if "$dict" in a:
+            return {k: _decode_arg(v, env) for k, v in a["$dict"].items()}
+        if "$dtype" in a:
+            return getattr(torch, a["$dtype"])
+        if "$device" in a:
+            return torch.device(a["$device"])
+        if "$slice" in a:
+            return slice(*(_decode_arg(x, env) for x in a["$slice"]))
+        if "$memory_format" in a:
+            return getattr(torch, a["$memory_format"])
+    if isinstance(a, list):
+        return [_decode_arg(x, env) for x in a]
+    return a
+
+
+class GraphProgram:
+    """A decoded graph, ready to run: ``program(modules, *args)``. Targets are resolved once."""
+
+    def __init__(self, encoded: Encoded) -> None:
+        self.placeholders: list[str] = []
+        self.steps: list[tuple[str, str, Any, Any, Any]] = []  # (name, kind, fn/key, args, kwargs)
+        self.output: Any = None
+        for n in encoded["nodes"]:
+            if n["op"] == "placeholder":
+                self.placeholders.append(n["name"])
+            elif n["op"] == "output":
+                self.output = n["args"]
+            else:
+                kind, _, what = n["target"].partition(":")
+                fn: Any = what
+                if kind == "op":
+                    fn = _resolve_op(what)
+                elif kind == "fn":
+                    fn = operator.getitem if what == "operator.getitem" else _resolve_fn(what)
+                self.steps.append((n["name"], kind, fn, n["args"], n["kwargs"]))
+
+    @property
+    def module_names(self) -> list[str]:
+        """The ``call_module`` targets, in call order."""
+        return [fn for (_n, kind, fn, _a, _k) in self.steps if kind == "mod"]
+
+    def __call__(self, modules: Mapping[str, Callable[..., Any]], *args: Any) -> Any:
+        if len(args) != len(self.placeholders):
+            raise LoadError(f"graph takes {len(self.placeholders)} inputs, got {len(args)}")
+        env: dict[str, Any] = dict(zip(self.placeholders, args))
+        for name, kind, fn, a, k in self.steps:
+            args_ = _decode_arg(a, env)
+            kwargs = _decode_arg(k, env)
+            if kind == "mod":
+                env[name] = modules[fn](*args_, **kwargs)
+            elif kind == "method":
+                env[name] = getattr(args_[0], fn)(*args_[1:], **kwargs)
+            else:
+                env[name] = fn(*args_, **kwargs)
+        return _decode_arg(self.output, env)
+
+
+def run_encoded(encoded: Encoded, modules: Mapping[str, Callable[..., Any]], args: Sequence[Any]) -> Any:
+    """Decode and run once (tests, debugging); the loader keeps a ``GraphProgram``."""
+    return GraphProgram(encoded)(modules, *args)

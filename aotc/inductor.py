@@ -1,0 +1,441 @@
+"""Every use of torch's private compile APIs (``torch._inductor``, ``standalone_compile``, the
+Inductor cache dir, ``torch._dynamo.utils.counters``) lives here, behind our own functions.
+
+Tested with torch 2.13 (CPU); written for torch 2.11–2.13 (API differences are feature-checked).
+
+How compiled kernels are shipped
+--------------------------------
+A ``standalone_compile`` artifact holds the AOTAutograd + FX-graph cache entries (the generated
+Python wrapper and kernel *sources*), but not the compiled C++ kernel libraries: a fresh process
+that loads it regenerates the sources and, when the ``.so`` is not in the Inductor cache dir,
+runs the C++ compiler again. So each compile runs inside :func:`inductor_cache_dir` pointed at a
+fresh, empty directory (in-memory code caches cleared, so every kernel this piece needs is
+written there), and the binaries found there (``*.so``, ``*.o``; Triton kernels on GPU, which
+the FX-graph cache also bundles) are recorded as *kernel files*, paths relative to that dir.
+:func:`load_piece` points the cache dir at a directory holding those files at the same relative
+paths, so Inductor finds each kernel under the key it computes and does not call the compiler.
+The vector-ISA probe libraries are shipped the same way, so the ISA check at load finds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from aotc.errors import CompileError, LoadError
+
+__all__ = [
+    "CompiledPiece", "compile_piece", "counters_snapshot", "inductor_cache_dir", "load_piece",
+    "piece_cache_key", "reset_counters", "static_example_inputs", "toolchain_factors",
+]
+
+# Files in a compile-time cache dir worth shipping: binaries Inductor checks for by path.
+_KERNEL_SUFFIXES = (".so", ".o", ".cubin", ".hsaco", ".ptx", ".json", ".llir", ".ttir", ".ttgir")
+_SKIP_DIRS = {"locks", "fxgraph", "aotautograd", "pgo", "precompiles"}
+
+_ours: Counter[str] = Counter()
+_probe: dict[str, Any] = {}
+
+_PROBE_SCRIPT = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
+
+
+def _isa_probe_files() -> dict[str, Path]:
+    """The vector-ISA probe libraries Inductor builds in its cache dir (relative path -> file).
+
+    Inductor checks each CPU ISA once per process by compiling a tiny program into the cache dir
+    (``cpu_vec_isa.VecISA.check_build``) and skips the compiler when that library already exists.
+    Its per-process memo means a compile only writes them the first time, so they are produced
+    here once per process in a cold child process and seeded into every compile's cache dir
+    (hence shipped with every piece). Empty if the probe cannot run.
+    """
+    if "files" not in _probe:
+        tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
+        _probe["dir"] = tmp  # lives as long as the process
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp.name)
+        env.pop("TRITON_CACHE_DIR", None)
+        try:
+            subprocess.run([sys.executable, "-c", _PROBE_SCRIPT], env=env, check=True,
+                           capture_output=True, timeout=600)
+            root = Path(tmp.name)
+            _probe["files"] = {rel: root / rel for rel in _kernel_files(root)}
+        except (OSError, subprocess.SubprocessError):
+            _probe["files"] = {}
+    return _probe["files"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPiece:
+    """One compiled artifact of one piece, for one size (``None`` = dynamic).
+
+    ``artifact``: the ``standalone_compile`` binary artifact file; ``kernel_root``: the
+    directory the kernel files are relative to; ``kernel_files``: sorted relative paths (POSIX)
+    to store with the artifact and restore under one root before :func:`load_piece`;
+    ``key``: :func:`piece_cache_key` of this compile; ``seconds``: wall time of the compile.
+    """
+
+    artifact: Path
+    kernel_root: Path
+    kernel_files: tuple[str, ...]
+    size: int | None
+    key: str
+    seconds: float
+
+
+def _sc_module() -> Any:
+    # ``torch._inductor.standalone_compile`` the attribute is the function; get the module.
+    return importlib.import_module("torch._inductor.standalone_compile")
+
+
+def _clear_code_caches() -> None:
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # pragma: no cover - older torch
+        return
+    clear_caches()
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(path: Path | str) -> Iterator[Path]:
+    """Point Inductor's (and Triton's) on-disk caches at ``path`` for the block; restore after.
+
+    Sets ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` (= ``path/triton``) and clears
+    Inductor's in-memory code caches on entry and exit, so what is compiled or loaded in the
+    block is read from / written to ``path`` only. The one place aotc changes torch's env.
+    """
+    path = Path(path).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    _clear_code_caches()
+    try:
+        yield path
+    finally:
+        _clear_code_caches()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _kernel_files(root: Path) -> list[str]:
+    out = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if p.is_file() and rel.parts[0] not in _SKIP_DIRS and p.name.endswith(_KERNEL_SUFFIXES):
+            out.append(rel.as_posix())
+    return sorted(out)
+
+
+def _concrete(x: Any, size: int) -> Any:
+    """An int for a symbolic size (every free symbol is the token size)."""
+    if isinstance(x, torch.SymInt):
+        expr = x.node.expr
+        return int(expr.subs({s: size for s in expr.free_symbols}))
+    return int(x)
+
+
+def static_example_inputs(example_inputs: Sequence[Any], size: int) -> list[Any]:
+    """Real (uninitialized-but-valid) inputs with every symbolic size set to ``size``.
+
+    Integer tensors are zero-filled (valid indices); float tensors are left uninitialized
+    (``torch.empty``: no cost for large weights). ``SymInt`` inputs become ``size``-derived ints.
+    """
+    out: list[Any] = []
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor):
+            shape = [_concrete(s, size) for s in v.shape]
+            stride = [_concrete(s, size) for s in v.stride()]
+            t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
+            if not (v.dtype.is_floating_point or v.dtype.is_complex):
+                t.zero_()
+            out.append(t)
+        elif isinstance(v, torch.SymInt):
+            out.append(_concrete(v, size))
+        else:
+            out.append(v)
+    return out
+
+
+def _is_symbolic(v: Any) -> bool:
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+
+
+def _graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return isinstance(out.args[0], (tuple, list))
+
+
+def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: str) -> str:
+    """sha256 of the graph's structure (node names dropped) + input metadata + ``torch_key``."""
+    import sympy
+
+    from torch._inductor.codecache import torch_key
+
+    idx: dict[torch.fx.Node, int] = {}
+    syms: dict[Any, Any] = {}
+    lines = [tag, torch_key().hex()]
+
+    def canon(x: Any) -> str:  # size symbols renamed in order of appearance
+        if not isinstance(x, torch.SymInt):
+            return str(x)
+        expr = x.node.expr
+        for f in sorted(expr.free_symbols, key=str):
+            syms.setdefault(f, sympy.Symbol(f"S{len(syms)}", integer=True))
+        return str(expr.xreplace(syms))
+
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor):
+            lines.append(f"T {v.dtype} {v.device.type} {[canon(d) for d in v.shape]} "
+                         f"{[canon(d) for d in v.stride()]}")
+        else:
+            lines.append(f"V {type(v).__name__} {canon(v)}")
+    for i, n in enumerate(gm.graph.nodes):
+        idx[n] = i
+        if n.op == "call_function":
+            tgt = f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', n.target)}"
+        else:
+            tgt = "" if n.op in ("placeholder", "output") else str(n.target)
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{idx[a]}")
+        lines.append(f"{n.op} {tgt} {args!r}")
+    return "aotc-" + hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def piece_cache_key(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    dynamic: bool,
+    *,
+    size: int | None = None,
+    options: dict[str, Any] | None = None,
+) -> str:
+    """Stable key of "this piece compiled this way", used to dedup identical pieces.
+
+    ``dynamic=True``: keyed on the symbolic example inputs (``dynamic_shapes="from_graph"``).
+    ``dynamic=False``: keyed on concrete inputs; pass them, or fake inputs plus ``size``. Uses
+    Inductor's own AOTAutograd cache key (``standalone_compile.autograd_cache_key``, torch >=
+    2.12), which is blind to placeholder names, so the same layer at different depths gives the
+    same key. Falls back to a sha256 over the canonicalized graph + input metadata.
+    """
+    options = dict(options or {})
+    inputs = list(example_inputs)
+    if not dynamic and size is not None:
+        inputs = static_example_inputs(inputs, size)
+    elif not dynamic and any(_is_symbolic(v) for v in inputs):
+        raise ValueError("piece_cache_key(dynamic=False) needs concrete inputs or a size")
+    tag = "dynamic" if dynamic else f"static:{[tuple(getattr(v, 'shape', ())) for v in inputs]}"
+    fn = getattr(_sc_module(), "autograd_cache_key", None)
+    if fn is not None and _graph_returns_tuple(gm):
+        mode = "from_graph" if dynamic else "from_example_inputs"
+        try:
+            with torch.no_grad(), _config_patch(options):
+                key = fn(gm, inputs, mode)
+            key = key[0] if isinstance(key, tuple) else key
+            return f"{key}:{_options_digest(options)}" if options else str(key)
+        except (NotImplementedError, RuntimeError, AssertionError):
+            pass
+    return _fallback_key(gm, inputs, tag + json.dumps(options, sort_keys=True, default=str))
+
+
+def _options_digest(options: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# Config aotc always compiles and loads with. Precompiled headers off: with them on, every
+# kernel load runs the C++ preprocessor over Inductor's header just to hash it, and the flag
+# enters the kernel's build command (so load must use the same value as compile).
+_FIXED_CONFIG: dict[str, Any] = {"cpp_cache_precompile_headers": False}
+
+
+def _config_patch(options: dict[str, Any]) -> Any:
+    from torch._inductor import config
+
+    fixed = {k: v for k, v in _FIXED_CONFIG.items() if hasattr(config, k)}
+    return config.patch({**fixed, **options})
+
+
+def compile_piece(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    size: int | None,
+    out_dir: Path,
+    options: dict[str, Any] | None = None,
+) -> CompiledPiece:
+    """Compile one piece with Inductor and save it under ``out_dir``.
+
+    ``size=None``: dynamic (``dynamic_shapes="from_graph"``, symbolic fake inputs); an int:
+    static for that token count (real inputs of that size, ``"from_example_inputs"``).
+    ``options``: Inductor config patches. Writes ``out_dir/artifact.bin`` and the kernel files
+    under ``out_dir/kernels/``; raises :class:`CompileError` on any failure.
+    """
+    import time
+
+    options = dict(options or {})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kernel_root = out_dir / "kernels"
+    artifact = out_dir / "artifact.bin"
+    dynamic = size is None
+    inputs = list(example_inputs) if dynamic else static_example_inputs(example_inputs, size)
+    mode = "from_graph" if dynamic else "from_example_inputs"
+    key = piece_cache_key(gm, inputs, dynamic, options=options)
+    t0 = time.perf_counter()
+    probes = _isa_probe_files()
+    with tempfile.TemporaryDirectory(prefix="aotc-inductor-") as tmp:
+        for rel, src in probes.items():  # seed: the ISA check at compile and load finds them
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, Path(tmp) / rel)
+        try:
+            with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options):
+                art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
+                art.save(path=str(artifact), format="binary")
+        except Exception as e:  # noqa: BLE001 - Inductor raises many kinds
+            what = "dynamic" if dynamic else f"size {size}"
+            raise CompileError(f"Inductor failed to compile piece ({what}) into {out_dir}: "
+                               f"{type(e).__name__}: {e}") from e
+        files = _kernel_files(Path(tmp))
+        for rel in files:
+            dst = kernel_root / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(tmp) / rel, dst)
+    _ours["compiles"] += 1
+    return CompiledPiece(artifact, kernel_root, tuple(files), size, key,
+                         time.perf_counter() - t0)
+
+
+def load_piece(
+    artifact_file: Path, kernel_root: Path, *, options: dict[str, Any] | None = None
+) -> Callable[..., list[torch.Tensor]]:
+    """Load a saved piece; the returned callable always returns a list of outputs.
+
+    ``options``: the same Inductor config patches the piece was compiled with (some, like
+    ``cpp.simdlen``, enter each kernel's build key; a mismatch makes Inductor rebuild it).
+
+    ``kernel_root`` must hold the piece's kernel files at their recorded relative paths; it is
+    used as the Inductor cache dir during the load (Inductor writes its regenerated wrapper
+    sources there too, so it must be writable and should outlive the returned callable).
+    """
+    artifact_file, kernel_root = Path(artifact_file), Path(kernel_root)
+    if not artifact_file.is_file():
+        raise LoadError(f"{artifact_file}: compiled artifact missing")
+    try:
+        with inductor_cache_dir(kernel_root), _config_patch(dict(options or {})):
+            art = torch._inductor.CompiledArtifact.load(path=str(artifact_file), format="binary")
+    except Exception as e:  # noqa: BLE001
+        raise LoadError(f"{artifact_file}: cannot load compiled artifact ({type(e).__name__}: "
+                        f"{e}); it was built by another torch build (torch_key) or is damaged — "
+                        "recompile it") from e
+    _ours["loads"] += 1
+
+    def run(*args: Any) -> list[torch.Tensor]:
+        out = art(*args)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    run.artifact = art  # type: ignore[attr-defined]
+    return run
+
+
+def _first_line(cmd: Sequence[str]) -> str | None:
+    try:
+        res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = (res.stdout or res.stderr).strip().splitlines()
+    return lines[0].strip() if lines else None
+
+
+def toolchain_factors(device: str) -> dict[str, Any]:
+    """What the compiled artifacts depend on besides the model: a JSON-able dict.
+
+    torch version and ``torch_key``, triton version, python, the C/C++ compiler's id line, and
+    for CPU the vector ISA Inductor picks (from CPU flags, without running the compiler probe)
+    or for CUDA the GPU name, compute capability and CUDA version. No paths, hosts or times.
+    """
+    from torch._inductor.codecache import torch_key
+
+    try:
+        triton_version: str | None = importlib.import_module("triton").__version__
+    except Exception:  # noqa: BLE001 - absent or broken triton
+        triton_version = None
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        cxx = get_cpp_compiler()
+    except Exception:  # noqa: BLE001
+        cxx = os.environ.get("CXX", "g++")
+    factors: dict[str, Any] = {
+        "torch": torch.__version__,
+        "torch_key": torch_key().hex(),
+        "triton": triton_version,
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "cxx": _first_line([cxx, "--version"]),
+        "machine": platform.machine(),
+    }
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        from torch._inductor import config
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        with config.patch({"cpp.vec_isa_ok": True}):  # the pick from CPU flags, no gcc probe
+            factors["vec_isa"] = str(pick_vec_isa()) or None
+        factors["aten_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    elif dev.type == "cuda":
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(idx)
+        factors.update(gpu=torch.cuda.get_device_name(idx), compute_capability=f"{cap[0]}.{cap[1]}",
+                       cuda=torch.version.cuda)
+    else:
+        factors["device_type"] = dev.type
+    return factors
+
+
+def counters_snapshot() -> dict[str, int]:
+    """Counts since process start (or :func:`reset_counters`), from torch's own counters.
+
+    ``frames_traced``/``graphs_captured`` (Dynamo), ``fx_graph_cache_hits``/``_misses``/
+    ``_bypasses`` (Inductor; a miss or bypass is a real Inductor compile), ``autograd_cache_*``,
+    plus aotc's own ``compiles`` (``compile_piece`` calls) and ``loads`` (``load_piece`` calls).
+    """
+    from torch._dynamo.utils import counters
+
+    ind, aot, st, fr = counters["inductor"], counters["aot_autograd"], counters["stats"], counters["frames"]
+    return {
+        "frames_traced": int(fr.get("total", 0)),
+        "graphs_captured": int(st.get("unique_graphs", 0)),
+        "fx_graph_cache_hits": int(ind.get("fxgraph_cache_hit", 0)),
+        "fx_graph_cache_misses": int(ind.get("fxgraph_cache_miss", 0)),
+        "fx_graph_cache_bypasses": int(ind.get("fxgraph_cache_bypass", 0)),
+        "inductor_compiles": int(ind.get("fxgraph_cache_miss", 0) + ind.get("fxgraph_cache_bypass", 0)),
+        "autograd_cache_hits": int(aot.get("autograd_cache_hit", 0)),
+        "autograd_cache_misses": int(aot.get("autograd_cache_miss", 0)),
+        "compiles": _ours["compiles"],
+        "loads": _ours["loads"],
+    }
+
+
+def reset_counters() -> None:
+    """Zero torch's Dynamo/Inductor counters and aotc's own."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    _ours.clear()

@@ -1,0 +1,52 @@
+"""Progress on stderr: phase lines, and a bar for pieces × shapes (redrawn in place on a TTY)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    """Reports phases and steps. ``quiet`` silences it (the Python API default)."""
+
+    def __init__(self, stream: TextIO | None = None, quiet: bool = False) -> None:
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._t0 = time.perf_counter()
+        self._open_bar = False
+
+    def _write(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self._open_bar:
+            self.stream.write("\n")
+            self._open_bar = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def phase(self, name: str, detail: str = "") -> None:
+        """A phase begins (``capture``, ``split``, ``compile`` …)."""
+        self._write(f"[{time.perf_counter() - self._t0:6.1f}s] {name}" + (f": {detail}" if detail else ""))
+
+    def step(self, done: int, total: int, label: str) -> None:
+        """One step of a counted phase; a bar on a TTY, one line per step elsewhere."""
+        if self.quiet:
+            return
+        width = 24
+        filled = int(width * done / max(total, 1))
+        bar = "#" * filled + "-" * (width - filled)
+        line = f"  [{bar}] {done}/{total} {label}"
+        if self.tty:
+            self.stream.write("\r" + line.ljust(78))
+            self._open_bar = done < total
+            if done >= total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A warning or remark the user should see."""
+        self._write(f"  note: {text}")

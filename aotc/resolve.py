@@ -1,0 +1,124 @@
+"""From a manifest and this machine to a store key, without tracing: the key factors, the lookup
+of a stored entry whose recorded source files still hash the same, and ``explain`` for a miss.
+
+The ``code`` factor (sha256 of every source file Dynamo traced) is only known after a trace, so an
+entry also records a *probe* key: the hash of every factor but ``code``. A lookup finds the
+entries with the same probe, re-hashes the files each recorded, and takes the one whose files are
+unchanged (its full key recomputed from the current hashes must equal its stored key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
+from aotc.key import FORMAT_VERSION, FactorDiff, compute_key, explain
+from aotc.manifest import Manifest, thaw
+
+
+def base_factors(manifest: Manifest, toolchain: dict[str, Any]) -> dict[str, Any]:
+    """Every key factor but ``code``: manifest, toolchain, inductor options, aotc format."""
+    m = manifest.key_factors()
+    inductor = m.pop("inductor", thaw(manifest.inductor))
+    return {"manifest": m, "toolchain": toolchain, "inductor": inductor,
+            "aotc": {"format": FORMAT_VERSION}}
+
+
+def full_factors(base: dict[str, Any], code: dict[str, str]) -> dict[str, Any]:
+    """``base`` plus the ``code`` group (relative source path -> sha256)."""
+    return {**base, "code": dict(sorted(code.items()))}
+
+
+def locate_source(rel: str, manifest: Manifest) -> Path | None:
+    """Find the file a recorded relative source path names, on this machine (None if absent)."""
+    if rel.endswith(".py"):
+        dotted = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        mod = sys.modules.get(dotted)
+        f = getattr(mod, "__file__", None)
+        if f:
+            return Path(f)
+        if manifest.model.factory_file is not None and dotted.startswith("aotc_factory_"):
+            return Path(manifest.model.factory_file)
+        try:
+            spec = importlib.util.find_spec(dotted)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and os.path.isfile(spec.origin):
+            return Path(spec.origin)
+    for entry in sys.path:
+        cand = Path(entry or os.getcwd()) / rel
+        if cand.is_file():
+            return cand
+    return None
+
+
+def hash_sources(recorded: dict[str, str], manifest: Manifest) -> dict[str, str]:
+    """Current sha256 of each recorded source file ("missing" when it cannot be found)."""
+    out = {}
+    for rel in recorded:
+        path = locate_source(rel, manifest)
+        if path is None:
+            out[rel] = "missing"
+            continue
+        out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The outcome of a lookup: ``entry`` when hit, else the closest entry and why it missed."""
+
+    probe: str
+    entry: Entry | None
+    closest: Entry | None = None
+    diffs: tuple[FactorDiff, ...] = ()
+
+    @property
+    def hit(self) -> bool:
+        return self.entry is not None
+
+
+def resolve(manifest: Manifest, store: Store, toolchain: dict[str, Any], record: bool = True) -> Resolution:
+    """Find the stored entry this manifest would compile to on this machine, without tracing."""
+    base = base_factors(manifest, toolchain)
+    probe = compute_key(base)
+    rows = store.index.query(
+        "SELECT key FROM entries WHERE json_extract(metadata, '$.probe') = ? AND bad IS NULL"
+        " ORDER BY created DESC", (probe,))
+    candidates = []
+    for row in rows:
+        try:
+            candidates.append(store.get(row["key"], record=False))
+        except (CacheMiss, CorruptedCacheError):  # gone, or bad: not a hit (verify reports it)
+            continue
+    for cand in candidates:
+        code = cand.factors.get("code", {})
+        current = full_factors(base, hash_sources(code, manifest))
+        if compute_key(current) == cand.key:
+            entry = store.get(cand.key, record=record)
+            return Resolution(probe, entry)
+        closest_diffs = tuple(explain(cand.factors, current))
+        if record:
+            store.record_miss(cand.key, "; ".join(d.describe() for d in closest_diffs)[:500])
+        return Resolution(probe, None, cand, closest_diffs)
+    # No entry with the same probe: diff against the newest entry of the same name, if any.
+    same_name = store.index.query(
+        "SELECT key FROM entries WHERE name = ? ORDER BY created DESC LIMIT 1", (manifest.name,))
+    closest = None
+    diffs: tuple[FactorDiff, ...] = ()
+    if same_name:
+        try:
+            closest = store.get(same_name[0]["key"], record=False)
+            code = closest.factors.get("code", {})
+            diffs = tuple(explain(closest.factors, full_factors(base, hash_sources(code, manifest))))
+        except (CacheMiss, CorruptedCacheError):
+            closest = None
+    if record:
+        store.record_miss(probe, manifest.name)
+    return Resolution(probe, None, closest, diffs)

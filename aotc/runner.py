@@ -1,0 +1,155 @@
+"""The runtime of a stitched program: feed the graph from a live module + user inputs, dispatch
+each compiled piece by token count (static artifact for that size, else the dynamic one), run
+splitting pieces (attention) eagerly. No Dynamo, no compiler."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from aotc.build import DTYPES
+from aotc.errors import InputError, LoadError
+from aotc.graphcode import GraphProgram
+from aotc.program import Program
+
+Artifact = Callable[..., Sequence[torch.Tensor]]
+
+
+class _CompiledPiece:
+    """Calls the artifact for the runner's current token count."""
+
+    def __init__(self, runner: Runner, uid: str, by_size: Mapping[int | None, Artifact]) -> None:
+        self.runner, self.uid, self.by_size = runner, uid, dict(by_size)
+        self.dynamic = self.by_size.get(None)
+
+    def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
+        n = self.runner.current_tokens
+        fn = self.by_size.get(n) or self.dynamic
+        if fn is None:
+            raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
+                             f"(static sizes: {sorted(k for k in self.by_size if k)})")
+        self.runner.calls[n if n in self.by_size else None] = (
+            self.runner.calls.get(n if n in self.by_size else None, 0) + 1)
+        out = fn(*args)
+        return out if isinstance(out, (list, tuple)) else (out,)
+
+
+class _SplittingPiece:
+    """Runs an attention piece's small graph eagerly."""
+
+    def __init__(self, graph: GraphProgram) -> None:
+        self.graph = graph
+
+    def __call__(self, *args: Any) -> Any:
+        return self.graph({}, *args)
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of a warm start (filled by the loader)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+
+class Runner:
+    """``runner(*inputs) -> Tensor``: the compiled model, bound to ``model``'s parameters."""
+
+    def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
+                 model: torch.nn.Module, key: str = "", timings: Timings | None = None) -> None:
+        self.program, self.key, self.model = program, key, model
+        self.timings = timings or Timings()
+        self.current_tokens: int = 0
+        self.calls: dict[int | None, int] = {}
+        t0 = time.perf_counter()
+        self._stitch = GraphProgram(program.stitch)
+        self._modules: dict[str, Callable[..., Any]] = {}
+        for p in program.pieces:
+            if p.kind == "compiled":
+                self._modules[p.name] = _CompiledPiece(self, str(p.uid), artifacts[str(p.uid)])
+            else:
+                self._modules[p.name] = _SplittingPiece(GraphProgram(p.graph or {"nodes": []}))
+        self._bind(model)
+        self.timings.add("bind", time.perf_counter() - t0)
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(model.named_buffers(remove_duplicate=False))
+        dtype = DTYPES[self.program.dtype]
+        self._bound: list[Any] = []
+        for slot in self.program.slots:
+            if slot.kind not in ("param", "buffer"):
+                self._bound.append(None)
+                continue
+            t = state.get(str(slot.fqn))
+            if t is None:
+                raise LoadError(f"the model has no {slot.kind} {slot.fqn!r} that the compiled "
+                                "program takes; bind the module the manifest describes")
+            if t.device.type != torch.device(self.program.device).type:
+                raise LoadError(f"{slot.kind} {slot.fqn!r} is on {t.device}, the program runs on "
+                                f"{self.program.device}; move the model first")
+            if t.is_floating_point() and t.dtype != dtype and slot.kind == "param":
+                raise LoadError(f"param {slot.fqn!r} is {t.dtype}, the program was compiled for {dtype}")
+            self._bound.append(t)
+
+    def check_inputs(self, inputs: Sequence[Any]) -> int:
+        """Validate inputs against the recorded spec; return the token count."""
+        specs = self.program.inputs
+        if len(inputs) != len(specs):
+            raise InputError(f"expected {len(specs)} inputs ({', '.join(s['name'] for s in specs)}), "
+                             f"got {len(inputs)}")
+        n: int | None = None
+        for t, spec in zip(inputs, specs):
+            name = spec["name"]
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"input {name!r}: expected a tensor, got {type(t).__name__}")
+            if t.dtype != DTYPES[spec["dtype"]]:
+                raise InputError(f"input {name!r}: expected dtype {spec['dtype']}, got "
+                                 f"{str(t.dtype).removeprefix('torch.')}")
+            if t.dim() != len(spec["shape"]):
+                raise InputError(f"input {name!r}: expected rank {len(spec['shape'])} "
+                                 f"{spec['shape']}, got shape {list(t.shape)}")
+            if t.device.type != torch.device(self.program.device).type:
+                raise InputError(f"input {name!r}: expected device {self.program.device}, got {t.device}")
+            for d, want in enumerate(spec["shape"]):
+                got = int(t.shape[d])
+                if want == "tokens":
+                    if n is not None and got != n:
+                        raise InputError(f"input {name!r}: dim {d} has {got} tokens, other inputs have {n}")
+                    n = got
+                elif got != want:
+                    raise InputError(f"input {name!r}: dim {d} must be {want}, got {got}")
+        if n is None:
+            n = 0
+        if not 1 <= n <= self.program.max_tokens:
+            raise InputError(f"token count {n} is outside [1, max_tokens={self.program.max_tokens}]")
+        if n < self.program.min_dynamic_tokens and n not in self.program.compile_sizes:
+            raise InputError(f"{n} tokens: the dynamic artifact serves >= "
+                             f"{self.program.min_dynamic_tokens}; add {n} to compile_sizes")
+        return n
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        n = self.check_inputs(inputs)
+        self.current_tokens = n
+        args = []
+        for slot, bound in zip(self.program.slots, self._bound):
+            if bound is not None:
+                args.append(bound)
+            elif slot.kind == "input":
+                args.append(inputs[int(slot.index)])  # type: ignore[arg-type]
+            else:
+                args.append(int(inputs[int(slot.index)].shape[int(slot.dim)]))  # type: ignore[arg-type]
+        with torch.no_grad():
+            out = self._stitch(self._modules, *args)
+        if isinstance(out, (list, tuple)) and len(out) == 1:
+            return out[0]
+        return out
