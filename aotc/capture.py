@@ -7,10 +7,15 @@ Every ``dynamic_dims[i]`` that is not ``None`` is marked with ``mark_unbacked`` 
 ``shape_id``, so all token dims become the *same* unbacked symbol (``u0``). Why not
 ``mark_dynamic``: a backed symbol is specialized on 0/1 (Dynamo guards ``s0 >= 2``), so a call with
 one token recompiles, and each marked input gets its own symbol (``s0``, ``s1``) tied by a guard.
-An unbacked symbol has no 0/1 specialization, the graph stays valid for every size, and the
-pieces it is split into compile with Inductor (``dynamic_shapes="from_graph"``) unchanged. When a
-torch lacks ``mark_unbacked(..., shape_id=)`` we fall back to ``mark_dynamic`` (size 1 then needs
-its own static compile size).
+An unbacked symbol has no 0/1 specialization, the graph stays valid for every size (1 included),
+and its pieces compile with Inductor (``dynamic_shapes="from_graph"``) unchanged.
+
+But model code that branches on the size (Hugging Face's mask / ``is_causal = q_len > 1``) fails
+on an unbacked symbol with a data-dependent guard error; ``mode="auto"`` then traces again with
+``mark_dynamic`` and records ``dynamic="backed"`` and ``token_range=(2, None)``: that graph is
+only valid for sizes >= 2 (the choices Dynamo made for ``T >= 2`` are baked in): serving size 1
+needs a static compile of size 1 checked numerically against eager, or a separate capture.
+A torch without ``mark_unbacked(..., shape_id=)`` always gets the backed path.
 
 Parameters as graph inputs
 --------------------------
@@ -333,7 +338,9 @@ def capture(
     has_dynamic = any(d is not None for d in dynamic_dims)
     unbacked = has_dynamic and mode != "backed" and _supports_shape_id()
     if mode == "unbacked" and has_dynamic and not unbacked:
-        raise CaptureError(f"torch {torch.__version__} lacks mark_unbacked(shape_id=); use mode='backed'")
+        raise CaptureError(
+            f"torch {torch.__version__} lacks mark_unbacked(shape_id=); use mode='backed'"
+        )
     try:
         try:
             got, inputs = _trace(model, example_inputs, dynamic_dims, unbacked)

@@ -1,20 +1,22 @@
 """Every use of torch's private compile APIs (``torch._inductor``, ``standalone_compile``, the
 Inductor cache dir, ``torch._dynamo.utils.counters``) lives here, behind our own functions.
 
-Tested with torch 2.13 (CPU); written for torch 2.11–2.13 (API differences are feature-checked).
+Torch versions: meant for 2.11–2.13, API differences feature-checked (``autograd_cache_key`` is
+new in 2.12/2.13: a structural hash replaces it before). Run and tested: 2.13.0 CPU only.
 
 How compiled kernels are shipped
 --------------------------------
-A ``standalone_compile`` artifact holds the AOTAutograd + FX-graph cache entries (the generated
-Python wrapper and kernel *sources*), but not the compiled C++ kernel libraries: a fresh process
-that loads it regenerates the sources and, when the ``.so`` is not in the Inductor cache dir,
-runs the C++ compiler again. So each compile runs inside :func:`inductor_cache_dir` pointed at a
-fresh, empty directory (in-memory code caches cleared, so every kernel this piece needs is
-written there), and the binaries found there (``*.so``, ``*.o``; Triton kernels on GPU, which
-the FX-graph cache also bundles) are recorded as *kernel files*, paths relative to that dir.
-:func:`load_piece` points the cache dir at a directory holding those files at the same relative
-paths, so Inductor finds each kernel under the key it computes and does not call the compiler.
-The vector-ISA probe libraries are shipped the same way, so the ISA check at load finds them.
+A ``standalone_compile`` artifact holds the AOTAutograd + FX-graph cache entries (the Python
+wrapper and kernel *sources*; Triton binaries too, via Inductor's TritonBundler) but not the
+compiled C++ kernel libraries: a fresh process regenerates the sources and, when the ``.so`` is
+not in the Inductor cache dir, runs the C++ compiler again (21-25 s instead of ~5 s for one toy
+piece). So each compile runs in :func:`inductor_cache_dir` pointed at a fresh, empty dir (the
+in-memory code caches cleared, so every kernel the piece needs is written there); the binaries
+found there are its *kernel files* (paths relative to that dir). :func:`load_piece` makes a dir
+holding them at the same relative paths the cache dir, so Inductor finds each kernel under the
+key it computes. The vector-ISA probe libraries are shipped the same way (see
+``_isa_probe_files``). At load the C++ compiler is still *run for its version* (``g++ --version``
+/ ``-v``, part of each kernel's key): it must be installed, but it compiles nothing.
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: 
     for i, n in enumerate(gm.graph.nodes):
         idx[n] = i
         if n.op == "call_function":
-            tgt = f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', n.target)}"
+            mod = getattr(n.target, "__module__", "")
+            tgt = f"{mod}.{getattr(n.target, '__qualname__', n.target)}"
         else:
             tgt = "" if n.op in ("placeholder", "output") else str(n.target)
         args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{idx[a]}")
@@ -258,7 +261,8 @@ def piece_cache_key(
 
 
 def _options_digest(options: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    blob = json.dumps(options, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 # Config aotc always compiles and loads with. Precompiled headers off: with them on, every
@@ -418,14 +422,17 @@ def counters_snapshot() -> dict[str, int]:
     """
     from torch._dynamo.utils import counters
 
-    ind, aot, st, fr = counters["inductor"], counters["aot_autograd"], counters["stats"], counters["frames"]
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    st, fr = counters["stats"], counters["frames"]
     return {
         "frames_traced": int(fr.get("total", 0)),
         "graphs_captured": int(st.get("unique_graphs", 0)),
         "fx_graph_cache_hits": int(ind.get("fxgraph_cache_hit", 0)),
         "fx_graph_cache_misses": int(ind.get("fxgraph_cache_miss", 0)),
         "fx_graph_cache_bypasses": int(ind.get("fxgraph_cache_bypass", 0)),
-        "inductor_compiles": int(ind.get("fxgraph_cache_miss", 0) + ind.get("fxgraph_cache_bypass", 0)),
+        "inductor_compiles": int(
+            ind.get("fxgraph_cache_miss", 0) + ind.get("fxgraph_cache_bypass", 0)
+        ),
         "autograd_cache_hits": int(aot.get("autograd_cache_hit", 0)),
         "autograd_cache_misses": int(aot.get("autograd_cache_miss", 0)),
         "compiles": _ours["compiles"],

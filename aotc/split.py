@@ -9,8 +9,8 @@ Op names: ``"ns::op"`` (``"aotc::attention"``, ``"aten::scaled_dot_product_atten
 without an overload (``.default``), or a Python qualname (``"torch.nn.functional.
 scaled_dot_product_attention"``). After Dynamo, a Hugging Face model's
 ``F.scaled_dot_product_attention`` call is a ``call_function`` whose target is the builtin
-``torch._C._nn.scaled_dot_product_attention``; it is matched by ``aten::scaled_dot_product_attention``
-because the aten op of the same name exists.
+``torch._C._nn.scaled_dot_product_attention``; it is matched by
+``aten::scaled_dot_product_attention`` because the aten op of the same name exists.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ class SplitResult:
     warnings: list[str]
 
 
+_TORCH_FUNCTION_MODULES = (
+    None, "torch", "torch._C._nn", "torch.nn.functional", "torch._C._VariableFunctions",
+)
+
+
 def _strip_overload(name: str) -> str:
     ns, _, rest = name.partition("::")
     return f"{ns}::{rest.split('.')[0]}" if rest else name
@@ -76,7 +81,7 @@ def node_op_names(node: torch.fx.Node) -> set[str]:
         if fn:
             if mod:
                 names.add(f"{mod}.{fn}")
-            if mod in (None, "torch", "torch._C._nn", "torch.nn.functional", "torch._C._VariableFunctions"):
+            if mod in _TORCH_FUNCTION_MODULES:
                 names.add(f"torch.nn.functional.{fn}" if mod == "torch._C._nn" else f"torch.{fn}")
                 if hasattr(torch.ops.aten, fn):
                     names.add(f"aten::{fn}")
@@ -164,7 +169,9 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
         if p.is_splitting:
             calls = [n for n in p.gm.graph.nodes if node_op_names(n) & wanted]
             if len(calls) != 1:
-                raise SplitError(f"piece {p.name} should hold one splitting-op call, has {len(calls)}")
+                raise SplitError(
+                    f"piece {p.name} should hold one splitting-op call, has {len(calls)}"
+                )
     return SplitResult(stitch=stitch, pieces=pieces, warnings=warnings)
 
 

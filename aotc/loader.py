@@ -1,0 +1,104 @@
+"""The warm start: manifest (or key) → stored entry (every blob verified) → Program → artifacts
+rehydrated with their shipped kernels → bound to the live model's weights → ``Runner``.
+
+No Dynamo trace and no Inductor compile happen here: the key is resolved without tracing
+(``aotc.resolve``), artifacts are loaded with ``CompiledArtifact.load`` over the kernel
+libraries that were compiled at ``aotc compile`` time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from aotc import inductor
+from aotc.build import build_model
+from aotc.cache import CacheMiss, Entry, Store
+from aotc.compiler import as_manifest, open_store
+from aotc.errors import LoadError
+from aotc.manifest import Manifest
+from aotc.program import PROGRAM_ROLE, Program
+from aotc.resolve import resolve
+from aotc.runner import Runner, Timings
+
+_WORKDIRS: list[Path] = []
+
+
+def _workdir() -> Path:
+    """A per-process directory for rehydrated artifacts; removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="aotc-load-"))
+    if not _WORKDIRS:
+        atexit.register(lambda: [shutil.rmtree(p, ignore_errors=True) for p in _WORKDIRS])
+    _WORKDIRS.append(path)
+    return path
+
+
+def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
+    t = time.perf_counter()
+    toolchain = inductor.toolchain_factors(manifest.device)
+    res = resolve(manifest, store, toolchain, record=True)
+    timings.add("resolve", time.perf_counter() - t)
+    if res.entry is not None:
+        return res.entry
+    where = manifest.path or manifest.name
+    why = ""
+    if res.diffs:
+        why = "; differs from the closest entry in " + ", ".join(d.path for d in res.diffs[:4])
+        changed = [d.path.removeprefix("code.") for d in res.diffs if d.path.startswith("code.")]
+        if changed:
+            why += f" (changed source file: {', '.join(changed[:3])})"
+    raise CacheMiss(res.probe, hint=f"{manifest.name} is not compiled for this machine{why}; run "
+                                    f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
+
+
+def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
+               options: dict[str, Any] | None = None) -> Runner:
+    """Rehydrate one entry into a Runner bound to ``model``."""
+    timings = timings or Timings()
+    t = time.perf_counter()
+    program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
+    work = _workdir()
+    kernel_root = work / "kernels"
+    dests = {role: kernel_root / rel for rel, role in program.kernel_roles.items()}
+    dests.update({a.role: work / "artifacts" / a.role.replace("/", "_") for a in program.artifacts})
+    store.extract_blobs(entry, dests)
+    timings.add("read+verify", time.perf_counter() - t)
+    t = time.perf_counter()
+    by_uid: dict[str, dict[int | None, Any]] = {}
+    for a in program.artifacts:
+        by_uid.setdefault(a.uid, {})[a.size] = inductor.load_piece(
+            dests[a.role], kernel_root, options=options)
+    timings.add("deserialize", time.perf_counter() - t)
+    return Runner(program, by_uid, model, key=entry.key, timings=timings)
+
+
+def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,
+         device: str | None = None) -> Runner:
+    """Warm-start a compiled model (see module doc).
+
+    ``manifest_or_key``: a manifest (object or path) — the key is resolved for this machine — or
+    a stored key (64 hex chars; then ``model`` is required). ``model``: the module whose
+    parameters to bind (the server's own weights); built from the manifest when None.
+    ``device`` overrides the manifest's device. Raises ``CacheMiss`` naming the fix.
+    """
+    timings = Timings()
+    if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
+        if model is None:
+            raise LoadError("loading by key needs `model=`: the module whose weights to bind")
+        st = open_store(store)
+        entry = st.get(manifest_or_key)
+        return load_entry(entry, st, model, timings)
+    manifest = as_manifest(manifest_or_key)
+    if device is not None and device != manifest.device:
+        manifest = manifest.replace(device=device)
+    st = open_store(store, manifest)
+    entry = _find_entry(manifest, st, timings)
+    if model is None:
+        t = time.perf_counter()
+        model = build_model(manifest)
+        timings.add("build model", time.perf_counter() - t)
+    return load_entry(entry, st, model, timings, options=dict(manifest.inductor))

@@ -1,0 +1,315 @@
+"""Capture → split → compile/save/load of pieces, on the toy Llama (real Dynamo + Inductor).
+
+Compiles are shared through module-scoped fixtures; the fresh-process check runs a real
+subprocess. Tiny model: 2 layers, hidden 64, 4 heads, vocab 128.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from aotc.capture import ArgSlot, capture, graph_args
+from aotc.errors import CaptureError
+from aotc.models import toy_llama
+from aotc.split import split
+
+TINY = dict(layers=2, hidden=64, heads=4, vocab=128)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _inputs(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, TINY["vocab"], (n,), generator=g), torch.arange(n)]
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return toy_llama.build(**TINY)
+
+
+@pytest.fixture(scope="module")
+def captured(model):
+    return capture(model, _inputs(7), [0, 0])
+
+
+@pytest.fixture(scope="module")
+def pieces(captured):
+    return split(captured.gm, ["aotc::attention"])
+
+
+# ---------------------------------------------------------------- the model and its custom op
+
+
+def test_custom_op_matches_reference():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(3, 9, 4, 16, generator=g).unbind(0)
+    out = torch.ops.aotc.attention(q, k, v)
+    assert out.shape == (9, 4, 16)
+    torch.testing.assert_close(out, toy_llama.reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.aotc.attention.default, (q, k, v))
+
+
+def test_custom_op_registration_is_idempotent():
+    import importlib
+
+    importlib.reload(toy_llama)
+    assert toy_llama.attention is torch.ops.aotc.attention
+
+
+def test_build_is_deterministic(model):
+    again = toy_llama.build(**TINY)
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    assert model(*_inputs(5)).shape == (5, TINY["vocab"])
+
+
+# ---------------------------------------------------------------- capture
+
+
+def test_capture_arg_spec_covers_params_and_inputs(model, captured):
+    spec = captured.arg_spec
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    assert len(spec) == len(placeholders)
+    params = {s.fqn for s in spec if s.kind == "param"}
+    assert params == {n for n, _ in model.named_parameters()}
+    assert {s.fqn for s in spec if s.kind == "buffer"} == {"rotary.inv_freq"}
+    assert sorted(s.index for s in spec if s.kind == "input") == [0, 1]
+    syms = [s for s in spec if s.kind == "symbol"]
+    assert syms and all(s.source == "input 0 dim 0" and s.dim == 0 for s in syms)
+    assert all(isinstance(s, ArgSlot) for s in spec)
+
+
+def test_capture_source_files_and_dynamic(captured):
+    files = dict(captured.source_files)
+    assert "aotc/models/toy_llama.py" in files
+    assert len(files["aotc/models/toy_llama.py"]) == 64
+    assert not any(f.startswith("torch/") for f in files)
+    from aotc.capture import _supports_shape_id
+
+    assert captured.dynamic == ("unbacked" if _supports_shape_id() else "backed")
+    assert captured.token_range is not None and captured.token_range[1] is None
+
+
+@pytest.mark.parametrize("n", [1, 2, 13])
+def test_captured_graph_runs_any_size_without_dynamo(model, captured, n):
+    args = graph_args(captured.arg_spec, model, _inputs(n))
+    with torch.no_grad():
+        (out,) = captured.gm(*args)
+        ref = model(*_inputs(n))
+    torch.testing.assert_close(out, ref)
+
+
+def test_capture_graph_break_names_file_and_line():
+    class Breaks(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            print("side effect")  # graph break
+            return y
+
+    with pytest.raises(CaptureError, match=r"test_pipeline_pieces\.py:\d+"):
+        capture(Breaks(), [torch.randn(3, 4)], [0])
+
+
+# ---------------------------------------------------------------- split
+
+
+def test_split_two_layers(model, captured, pieces):
+    assert len(pieces.pieces) == 5 and not pieces.warnings
+    assert [p.is_splitting for p in pieces.pieces] == [False, True, False, True, False]
+    with torch.no_grad():
+        (out,) = pieces.stitch(*graph_args(captured.arg_spec, model, _inputs(6)))
+    torch.testing.assert_close(out, model(*_inputs(6)))
+
+
+@pytest.fixture(scope="module")
+def four_layers():
+    m4 = toy_llama.build(**{**TINY, "layers": 4})
+    return split(capture(m4, _inputs(7), [0, 0]).gm, ["aotc::attention"])
+
+
+@pytest.mark.parametrize("torch_key_api", [True, False], ids=["inductor-key", "fallback-key"])
+def test_split_four_layers_and_dedup_keys(four_layers, torch_key_api, monkeypatch):
+    from aotc import inductor
+    from aotc.inductor import piece_cache_key
+
+    if not torch_key_api:  # as on a torch without standalone_compile.autograd_cache_key
+        monkeypatch.setattr(inductor, "_sc_module", lambda: object())
+    r4 = four_layers
+    assert len(r4.pieces) == 9
+    key = {i: piece_cache_key(p.gm, p.example_inputs, True) for i, p in enumerate(r4.pieces)}
+    assert key[1] == key[3] == key[5] == key[7]  # attention of every layer
+    assert key[2] == key[4] == key[6]  # layer i post-attention + layer i+1 pre-attention
+    assert len({key[0], key[1], key[2], key[8]}) == 4
+    p = r4.pieces[2]
+    static = {n: piece_cache_key(p.gm, p.example_inputs, False, size=n) for n in (4, 8)}
+    assert static[4] != static[8] and key[2] not in static.values()
+    assert static[4] == piece_cache_key(p.gm, p.example_inputs, False, size=4)
+    assert piece_cache_key(p.gm, p.example_inputs, True, options={"cpp.simdlen": 256}) != key[2]
+
+
+def test_split_without_splitting_op_warns(captured):
+    res = split(captured.gm, ["aten::scaled_dot_product_attention"])
+    assert len(res.pieces) == 1 and res.warnings
+
+
+def test_split_example_inputs_are_symbolic(pieces):
+    mid = pieces.pieces[2]
+    shapes = [tuple(v.shape) for v in mid.example_inputs if isinstance(v, torch.Tensor)]
+    assert any(isinstance(s, torch.SymInt) for shape in shapes for s in shape)
+
+
+# ---------------------------------------------------------------- compile, save, load
+
+
+@pytest.fixture(scope="module")
+def compiled(pieces, tmp_path_factory):
+    from aotc import inductor
+
+    piece = pieces.pieces[2]  # post-attention MLP + next layer's pre-attention: 3 C++ kernels
+    out = tmp_path_factory.mktemp("compiled")
+    return piece, {
+        size: inductor.compile_piece(piece.gm, piece.example_inputs, size, out / f"s{size}", {})
+        for size in (None, 5)
+    }
+
+
+def _real_args(piece, n: int, seed: int = 0) -> list:
+    from aotc.inductor import static_example_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(a.shape, generator=g, dtype=a.dtype).to(a.device)
+        if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        for a in static_example_inputs(piece.example_inputs, n)
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size,n", [(None, 5), (None, 1), (5, 5)])
+def test_compile_save_load_reproduces_piece(compiled, tmp_path, size, n):
+    from aotc import inductor
+
+    piece, arts = compiled
+    cp = arts[size]
+    assert cp.artifact.is_file() and cp.kernel_files
+    assert any(f.endswith(".so") for f in cp.kernel_files)
+    root = tmp_path / "kernels"
+    shutil.copytree(cp.kernel_root, root)
+    fn = inductor.load_piece(cp.artifact, root)
+    args = _real_args(piece, n)
+    with torch.no_grad():
+        ref = piece.gm(*args)
+        out = fn(*args)
+    assert isinstance(out, list) and len(out) == len(ref)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_counters_and_factors(compiled):
+    from aotc import inductor
+
+    snap = inductor.counters_snapshot()
+    assert snap["compiles"] >= 2 and snap["inductor_compiles"] >= 2
+    f = inductor.toolchain_factors("cpu")
+    assert f["torch"] == torch.__version__ and len(f["torch_key"]) == 64
+    assert f["vec_isa"] is None or isinstance(f["vec_isa"], str)
+    assert str(REPO) not in json.dumps(f) and os.uname().nodename not in json.dumps(f)
+
+
+_FRESH = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    t0 = time.perf_counter()
+    import torch
+    from aotc import inductor
+    from torch._dynamo.utils import counters
+    root = Path(sys.argv[2])
+    binaries = ("*.so", "*.cubin", "*.hsaco")
+    before = {p for pat in binaries for p in root.rglob(pat)}
+    t1 = time.perf_counter()
+    fn = inductor.load_piece(Path(sys.argv[1]), root)
+    t2 = time.perf_counter()
+    data = torch.load(sys.argv[3])
+    with torch.no_grad():
+        out = fn(*data["args"])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    err = max(((a - b).abs() / (1 + b.abs())).max().item() for a, b in zip(out, data["ref"]))
+    new = sorted(str(p.relative_to(root)) for pat in binaries for p in root.rglob(pat)
+                 if p not in before)
+    print(json.dumps({"err": err, "new_binaries": new, "import_s": t1 - t0, "load_s": t2 - t1,
+                      "first_call_s": t3 - t2, "counters": inductor.counters_snapshot(),
+                      "inductor_counters": dict(counters["inductor"])}))
+    """
+)
+
+
+def _fresh_load(piece, cp, tmp_path: Path, n: int, ship_kernels: bool = True) -> dict:
+    """Load ``cp`` in a new interpreter (kernel files copied to a fresh root, or not) and run it
+    on ``n`` tokens; returns the child's report (error vs the eager piece, timings, counters)."""
+    from tests.conftest import python_env
+
+    root = tmp_path / ("kernels" if ship_kernels else "empty")
+    if ship_kernels:
+        shutil.copytree(cp.kernel_root, root)
+    root.mkdir(exist_ok=True)
+    args = _real_args(piece, n, seed=3)
+    with torch.no_grad():
+        ref = [t.cpu() for t in piece.gm(*args)]
+    io = tmp_path / f"io-{ship_kernels}.pt"
+    torch.save({"args": args, "ref": [r.to(args[0].device) for r in ref]}, io)
+    res = subprocess.run(
+        [sys.executable, "-c", _FRESH, str(cp.artifact), str(root), str(io)],
+        capture_output=True, text=True, env=python_env(), timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_fresh_process_load_uses_shipped_kernels(compiled, tmp_path):
+    """A new interpreter loads the artifact + shipped kernels: no Dynamo, no Inductor compile,
+    and no C++ build (a build would leave a new .so in the cache dir)."""
+    piece, arts = compiled
+    report = _fresh_load(piece, arts[None], tmp_path, 6)
+    print("fresh CPU load:", json.dumps(report))
+    assert report["err"] < 1e-4
+    assert report["new_binaries"] == []
+    c = report["counters"]
+    assert c["frames_traced"] == 0 and c["graphs_captured"] == 0 and c["inductor_compiles"] == 0
+    assert c["fx_graph_cache_hits"] == 1 and c["loads"] == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_piece_fresh_load(tmp_path):
+    """On CUDA: compile a piece (dynamic and one static size), load both in fresh processes,
+    with and without the shipped kernel files; report timings (run with -s to see them)."""
+    from aotc import inductor
+
+    model = toy_llama.build(**TINY).cuda()
+    cap = capture(model, [t.cuda() for t in _inputs(7)], [0, 0])
+    piece = split(cap.gm, ["aotc::attention"]).pieces[2]
+    print("cuda factors:", json.dumps(inductor.toolchain_factors("cuda")))
+    for size, n in ((None, 6), (8, 8)):
+        cp = inductor.compile_piece(piece.gm, piece.example_inputs, size, tmp_path / f"c{size}", {})
+        print(f"cuda compile size={size}: {cp.seconds:.1f}s, kernel files: {list(cp.kernel_files)}")
+        for ship in (True, False):
+            rep = _fresh_load(piece, cp, tmp_path / f"l{size}{ship}", n, ship_kernels=ship)
+            print(f"cuda fresh load size={size} ship={ship}:", json.dumps(rep))
+            assert rep["err"] < 1e-3
+            assert rep["counters"]["inductor_compiles"] == 0
+            assert rep["counters"]["frames_traced"] == 0
