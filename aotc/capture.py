@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.fx
 
+from aotc.counters import COUNTERS
 from aotc.errors import CaptureError
 
 __all__ = ["ArgSlot", "Captured", "capture", "graph_args"]
@@ -353,8 +354,11 @@ def capture(
         raise
     except torch._dynamo.exc.TorchDynamoException as e:  # graph break, unsupported op, ...
         raise CaptureError(_describe_dynamo_error(e)) from e
+    except Exception as e:  # noqa: BLE001 - the model's own code failed while being traced
+        raise CaptureError(_describe_model_error(e)) from e
 
     gm = got["gm"]
+    COUNTERS["traces"] += 1
     return Captured(
         gm=gm,
         example_inputs=tuple(got["ex"]),
@@ -363,6 +367,18 @@ def capture(
         dynamic=("unbacked" if unbacked else "backed") if has_dynamic else "static",
         token_range=_token_range(gm) if has_dynamic else None,
     )
+
+
+def _describe_model_error(e: BaseException) -> str:
+    """The user frame where the model's forward raised, in one line."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _is_toolchain_file(f.filename)
+              and "/aotc/" not in f.filename.replace(os.sep, "/")]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    text = " ".join(str(e).split())[:300]
+    return (f"{where}the model raised {type(e).__name__} while being traced on generated example "
+            f"inputs: {text}; check the manifest's inputs (dtype, shape, high) against the model")
 
 
 def _describe_dynamo_error(e: BaseException) -> str:

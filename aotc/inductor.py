@@ -32,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ __all__ = [
 _KERNEL_SUFFIXES = (".so", ".o", ".cubin", ".hsaco", ".ptx", ".json", ".llir", ".ttir", ".ttgir")
 _SKIP_DIRS = {"locks", "fxgraph", "aotautograd", "pgo", "precompiles"}
 
-_ours: Counter[str] = Counter()
+from aotc.counters import COUNTERS as _ours  # noqa: E402
 _probe: dict[str, Any] = {}
 
 _PROBE_SCRIPT = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
@@ -435,6 +434,8 @@ def counters_snapshot() -> dict[str, int]:
         ),
         "autograd_cache_hits": int(aot.get("autograd_cache_hit", 0)),
         "autograd_cache_misses": int(aot.get("autograd_cache_miss", 0)),
+        "traces": _ours["traces"],
+        "cache_hits": _ours["cache_hits"],
         "compiles": _ours["compiles"],
         "loads": _ours["loads"],
     }

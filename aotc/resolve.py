@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
+from aotc.counters import COUNTERS
 from aotc.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 from aotc.manifest import Manifest, thaw
 
@@ -102,6 +103,7 @@ def resolve(manifest: Manifest, store: Store, toolchain: dict[str, Any], record:
         current = full_factors(base, hash_sources(code, manifest))
         if compute_key(current) == cand.key:
             entry = store.get(cand.key, record=record)
+            COUNTERS["cache_hits"] += 1
             return Resolution(probe, entry)
         closest_diffs = tuple(explain(cand.factors, current))
         if record:

@@ -1,0 +1,181 @@
+"""``aotc compile`` end to end: real Dynamo captures, real Inductor compiles (tiny models), one
+session-scoped store shared by every test so each model is compiled once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from aotc.cache import Store, scan
+from aotc.cli import cli
+from tests.conftest import ROOT, python_env
+
+pytestmark = pytest.mark.slow
+
+SIZES = [4]
+
+
+def toy_manifest(tmp: Path, layers: int, name: str | None = None, **extra) -> Path:
+    data = {
+        "name": name or f"toy-{layers}",
+        "model": {"factory": "aotc.models.toy_llama:build",
+                  "kwargs": {"layers": layers, "hidden": 64, "heads": 4, "vocab": 128}},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 128},
+                   {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],
+        "compile_sizes": SIZES, "capture_sizes": [1, 2, 4, 8], "max_tokens": 256,
+        "splitting_ops": ["aotc::attention"],
+    }
+    data.update(extra)
+    path = tmp / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """toy-llama with 2 and 4 layers and a tiny HF Llama, compiled once into one store."""
+    from aotc.compiler import compile_manifest
+    from aotc.inductor import counters_snapshot
+
+    tmp = tmp_path_factory.mktemp("compile")
+    store = Store(tmp / "store")
+    results = {}
+    for layers in (2, 4):
+        m = toy_manifest(tmp, layers)
+        before = counters_snapshot()
+        results[layers] = (m, compile_manifest(m, store=store), before, counters_snapshot())
+    hf = tmp / "hf.yaml"
+    data = yaml.safe_load((ROOT / "manifests" / "tiny-hf-llama.yaml").read_text())
+    data["compile_sizes"] = [1]  # size 1: the backed HF graph serves >= 2 tokens
+    hf.write_text(yaml.safe_dump(data))
+    results["hf"] = (hf, compile_manifest(hf, store=store), None, None)
+    return tmp, store, results
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_pieces_and_unique_compiles(compiled, layers: int) -> None:
+    _tmp, _store, results = compiled
+    _m, res, before, after = results[layers]
+    assert not res.hit
+    assert res.pieces == 2 * layers + 1
+    assert res.unique_pieces == 3
+    assert res.compiles == 3 * (1 + len(SIZES))  # whatever the depth
+    assert after["compiles"] - before["compiles"] == res.compiles  # Inductor really ran that often
+    assert after["traces"] - before["traces"] == 1
+    assert res.max_abs_err is not None and res.max_abs_err <= 1e-4
+    checked = set(res.numerics["sizes"])
+    assert "4" in checked and len(checked) >= 3  # compile sizes, between, above
+
+
+def test_hf_llama_splits_at_sdpa_and_matches_eager(compiled) -> None:
+    _tmp, _store, results = compiled
+    _m, res, _b, _a = results["hf"]
+    assert res.pieces == 2 * 2 + 1
+    assert res.max_abs_err <= 1e-4
+    assert res.unique_pieces >= 2
+
+
+def test_entry_contents(compiled) -> None:
+    _tmp, store, results = compiled
+    from aotc.program import PROGRAM_ROLE, Program
+
+    res = results[2][1]
+    entry = store.get(res.key, record=False)
+    program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
+    assert [p.kind for p in program.pieces] == ["compiled", "splitting"] * 2 + ["compiled"]
+    assert len(program.artifacts) == 3 * (1 + len(SIZES)) and program.kernel_roles
+    assert "aotc/models/toy_llama.py" in program.source_files
+    assert entry.factors["code"]["aotc/models/toy_llama.py"] == program.source_files["aotc/models/toy_llama.py"]
+    assert set(entry.factors) == {"manifest", "toolchain", "inductor", "aotc", "code"}
+    text = json.dumps(entry.factors)
+    assert str(ROOT) not in text and "/tmp" not in text  # no absolute paths in the key
+    assert entry.metadata["pieces"] == 5 and entry.metadata["unique_pieces"] == 3
+
+
+def test_second_compile_is_a_hit(compiled) -> None:
+    from aotc.compiler import compile_manifest
+    from aotc.inductor import counters_snapshot
+
+    _tmp, store, results = compiled
+    manifest, first, _b, _a = results[2]
+    before = counters_snapshot()
+    t = time.perf_counter()
+    again = compile_manifest(manifest, store=store)
+    elapsed = time.perf_counter() - t
+    after = counters_snapshot()
+    assert again.hit and again.key == first.key
+    assert (again.traces, again.compiles) == (0, 0)
+    assert after["traces"] == before["traces"]
+    assert after["frames_traced"] == before["frames_traced"]
+    assert after["compiles"] == before["compiles"]
+    assert elapsed < 3.0
+    assert len([e for e in scan(store).entries if e.key == first.key]) == 1
+
+
+def test_cli_compile_hit_json_in_fresh_process(compiled) -> None:
+    tmp, store, results = compiled
+    manifest = results[4][0]
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "aotc.cli", "--store", str(store.root), "compile",
+                          str(manifest), "--json"], capture_output=True, text=True,
+                         env=python_env(), timeout=120)
+    elapsed = time.perf_counter() - t
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["hit"] and data["compiles"] == 0 and data["traces"] == 0
+    assert data["key"] == results[4][1].key
+    assert {"key", "pieces", "unique_pieces", "compiles", "seconds", "max_abs_err"} <= set(data)
+    assert elapsed < 3.0 + 8.0  # 3 s of our own work plus importing torch on a loaded 2-core box
+
+
+def test_changed_manifest_misses_and_explain_names_the_field(compiled, tmp_path) -> None:
+    _tmp, store, _results = compiled
+    m = toy_manifest(tmp_path, 2, compile_sizes=[1, 4, 8])
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "explain", str(m)],
+                             catch_exceptions=False)
+    assert res.exit_code == 0
+    assert "miss" in res.output and "manifest.compile_sizes" in res.output
+
+
+BAD_MODELS = [
+    ("missing module", {"factory": "no_such_pkg.models:build"}, [], "model.factory"),
+    ("missing function", {"factory": "aotc.models.toy_llama:nope"}, [], "model.factory"),
+    ("factory raises", {"factory": "FIX/bad_models.py:raises"}, [], "weights server unreachable"),
+    ("not a module", {"factory": "FIX/bad_models.py:not_a_module"}, [], "not a torch.nn.Module"),
+    ("graph break", {"factory": "FIX/bad_models.py:graph_break"}, [], "bad_models.py:"),
+    ("op never found", {"factory": "FIX/bad_models.py:no_attention"}, [], "splitting_ops"),
+    ("inputs out of range", {"factory": "FIX/bad_models.py:small_vocab"}, [], "IndexError"),
+]
+
+
+@pytest.mark.parametrize("label,model,_unused,needle", BAD_MODELS, ids=[b[0] for b in BAD_MODELS])
+def test_bad_models_fail_cleanly(compiled, tmp_path, label, model, _unused, needle) -> None:
+    _tmp, store, _results = compiled
+    fixtures = ROOT / "tests" / "fixtures"
+    model = {k: v.replace("FIX", str(fixtures)) for k, v in model.items()}
+    m = toy_manifest(tmp_path, 2, name="bad", model=model)
+    before = (store.keys(), sorted(p.name for p in store.blobs_dir.rglob("*")))
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "compile", str(m), "-q"],
+                             catch_exceptions=False)
+    assert res.exit_code == 2, res.output
+    lines = [l for l in res.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
+    assert needle in lines[0]
+    assert (store.keys(), sorted(p.name for p in store.blobs_dir.rglob("*"))) == before
+
+
+def test_bad_manifest_exit_2_store_untouched(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: {factory: a.b:c}\ninputs: []\ncompile_sizes: [1, '8x']\n")
+    res = CliRunner().invoke(cli, ["--store", str(tmp_path / "store"), "compile", str(bad)],
+                             catch_exceptions=False)
+    assert res.exit_code == 2
+    assert res.output.count("\n") == 1 and "bad.yaml" in res.output
+    assert not (tmp_path / "store").exists()
