@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
+	$(VENV)/bin/aotc --store $(DEMO_STORE) compile manifests/toy-llama.yaml
+	$(VENV)/bin/aotc --store $(DEMO_STORE) run manifests/toy-llama.yaml --sizes 1,7,16,100 --check-eager
 	$(VENV)/bin/aotc --store $(DEMO_STORE) inspect cache
 	$(VENV)/bin/aotc --store $(DEMO_STORE) verify
 
@@ -28,6 +30,7 @@ test: install
 
 bench: install
 	$(PY) bench/store.py
+	$(PY) bench/compile.py
 
 lint: install
 	$(PY) -m compileall -q aotc cache cli bench tests

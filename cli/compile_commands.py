@@ -65,7 +65,48 @@ def explain_command(app: AppContext, manifest: str, as_json: bool) -> None:
         click.echo(f"  {line}")
 
 
+def _parse_sizes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated token counts, e.g. 1,7,16") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise click.BadParameter(f"{value!r}: token counts must be positive")
+    return sizes
+
+
+@click.command("run")
+@click.argument("manifest", type=click.Path(dir_okay=False))
+@click.option("--sizes", default="1,7,16,100", callback=_parse_sizes, show_default=True,
+              help="Token counts to run.")
+@click.option("--check-eager", is_flag=True, help="Compare with the eager model; exit 1 above tolerance.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.pass_context
+@guard
+def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager: bool,
+                as_json: bool) -> None:
+    """Warm-start MANIFEST's compiled program in this process (no trace, no compile) and run it."""
+    from aotc.manifest import load_manifest
+    from aotc.run import check_report, run_manifest
+
+    app: AppContext = ctx.obj
+    m = load_manifest(manifest)
+    store = app.store if ctx.find_root().params.get("store_path") or m.store is None else m.store
+    report = run_manifest(m, sizes, store=store, check_eager=check_eager)
+    if as_json:
+        print_json(report)
+    else:
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in report["phases"].items())
+        click.echo(f"{report['name']}: warm start in {report['load_seconds']:.2f}s ({phases}); "
+                   f"traces {report['traces']}, compiles {report['compiles']}")
+        for n, e in report["sizes"].items():
+            err = f", max abs err vs eager {e['max_abs_err']:.3g}" if "max_abs_err" in e else ""
+            click.echo(f"  {n:>5} tokens: {e['seconds'] * 1000:.1f} ms -> {e['shape']}{err}")
+    check_report(report)
+
+
 def register(group: click.Group) -> None:
     """Add the torch-backed commands to the CLI group."""
     group.add_command(compile_command)
     group.add_command(explain_command)
+    group.add_command(run_command)
