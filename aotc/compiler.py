@@ -8,7 +8,6 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 import time
@@ -17,18 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from aotc import inductor
-from aotc.build import build_model, dynamic_dims, make_inputs
+from aotc.build import make_inputs
 from aotc.cache import Store, default_store_path
-from aotc.capture import capture
-from aotc.errors import AotcError, NumericMismatchError, SplitError
+from aotc.errors import AotcError, NumericMismatchError
 from aotc.graphcode import encode_graph
 from aotc.key import compute_key
 from aotc.manifest import Manifest, load_manifest
 from aotc.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
 from aotc.progress import Progress
-from aotc.resolve import base_factors, full_factors, resolve
+from aotc.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runner import Runner
-from aotc.split import node_op_names, split
+from aotc.parallel import compile_tasks
+from aotc.pieces import trace_and_split
+from aotc.split import node_op_names
 
 
 @dataclass(frozen=True)
@@ -110,19 +110,10 @@ def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, A
     return {"sizes": per_size, "max_abs_err": worst, "atol": tol.atol, "rtol": tol.rtol}
 
 
-def _check_splitting_ops(manifest: Manifest, gm: Any, pieces: int, warnings: list[str]) -> None:
-    if manifest.splitting_ops and pieces == 1:
-        seen = sorted({n for node in gm.graph.nodes for n in node_op_names(node) if "::" in n})
-        where = f"{manifest.path or '<manifest>'}: splitting_ops"
-        raise SplitError(
-            f"{where}: none of {list(manifest.splitting_ops)} is called by the traced model "
-            f"(ops seen: {', '.join(seen[:10])}{'…' if len(seen) > 10 else ''}); fix the op names"
-        )
-
-
 def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: bool = False,
-                     progress: Progress | None = None) -> CompileResult:
-    """Compile the model a manifest names and put the program in the store (see module doc)."""
+                     progress: Progress | None = None, jobs: int = 1) -> CompileResult:
+    """Compile the model a manifest names and put the program in the store (see module doc).
+    ``jobs`` > 1 compiles the pieces in that many worker processes (``aotc.parallel``)."""
     progress = progress or Progress(quiet=True)
     manifest = as_manifest(manifest)
     store = open_store(store, manifest)
@@ -143,66 +134,33 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
                 numerics=meta.get("numerics", {}), store=str(store.root))
     seconds["lookup"] = time.perf_counter() - t
 
-    progress.phase("build", f"{manifest.model.factory or manifest.model.hf.architecture}")  # type: ignore[union-attr]
-    t = time.perf_counter()
-    model = build_model(manifest)
-    seconds["build"] = time.perf_counter() - t
-
-    progress.phase("capture", "Dynamo, token dim dynamic")
-    t = time.perf_counter()
-    trace_n = min(manifest.max_tokens, 7)
-    captured = capture(model, make_inputs(manifest, trace_n), dynamic_dims(manifest))
-    seconds["capture"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    parts = split(captured.gm, list(manifest.splitting_ops))
-    warnings = list(parts.warnings)
-    _check_splitting_ops(manifest, captured.gm, len(parts.pieces), warnings)
-    uid_of: dict[str, str] = {}
-    first_of: dict[str, Any] = {}
-    for p in parts.pieces:
-        if not p.is_splitting:
-            full = inductor.piece_cache_key(p.gm, list(p.example_inputs), True,
-                                            options=dict(manifest.inductor))
-            uid = hashlib.sha256(full.encode()).hexdigest()[:16]
-            uid_of[p.name] = uid
-            first_of.setdefault(uid, p)
-    seconds["split"] = time.perf_counter() - t
-    progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
-    for w in warnings:
-        progress.note(w)
+    traced = trace_and_split(manifest, progress, seconds)
+    model, captured, parts, uid_of, first_of, warnings = (
+        traced.model, traced.captured, traced.parts, traced.uid_of, traced.first_of, traced.warnings)
 
     shapes: list[int | None] = [None, *manifest.compile_sizes]
     if captured.dynamic == "static":
         shapes = list(manifest.compile_sizes) or [None]
-    total = len(first_of) * len(shapes)
     t = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="aotc-compile-") as tmp:
         work = Path(tmp)
         kernel_root = work / "kernels"
-        compiled: dict[tuple[str, int | None], inductor.CompiledPiece] = {}
+        tasks = [(uid, size) for uid in first_of for size in shapes]
+        compiled = compile_tasks(manifest, first_of, tasks, work, progress, jobs=jobs)
         kernel_files: set[str] = set()
-        done = 0
-        for uid, piece in first_of.items():
-            for size in shapes:
-                label = f"piece {uid[:8]} {'dynamic' if size is None else f'{size} tokens'}"
-                progress.step(done, total, label)
-                c = inductor.compile_piece(piece.gm, list(piece.example_inputs), size,
-                                           work / f"{uid}-{size or 'dyn'}", dict(manifest.inductor))
-                compiled[(uid, size)] = c
-                _merge_kernels(c, kernel_root, kernel_files)
-                done += 1
-        progress.step(done, total, "compiled")
+        for c in compiled.values():
+            _merge_kernels(c, kernel_root, kernel_files)
         seconds["compile"] = time.perf_counter() - t
 
+        code = {**dict(captured.source_files), **factory_source(manifest)}
         progress.phase("check", "reload artifacts, compare with eager")
         t = time.perf_counter()
         artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}")
-                     for (uid, size) in compiled]
+                     for (uid, size) in tasks]
         kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
         program = Program(
             name=manifest.name, device=manifest.device, dtype=manifest.dtype,
-            slots=tuple(Slot(s.kind, s.fqn, s.index, s.dim) for s in captured.arg_spec),
+            slots=_slots(captured.arg_spec, model),
             inputs=tuple(_input_dict(s) for s in manifest.inputs),
             stitch=encode_graph(parts.stitch),
             pieces=tuple(
@@ -213,7 +171,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
             max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
             min_dynamic_tokens=_min_dynamic(captured),
-            source_files=dict(captured.source_files),
+            source_files=code,
         )
         by_uid: dict[str, dict[int | None, Any]] = {}
         for a in artifacts:  # reload exactly what will be stored, as the loader will
@@ -225,7 +183,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         seconds["check"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        factors = full_factors(base, dict(captured.source_files))
+        factors = full_factors(base, code)
         key = compute_key(factors)
         blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json()}
         for a in artifacts:
@@ -259,6 +217,19 @@ def _merge_kernels(c: inductor.CompiledPiece, root: Path, seen: set[str]) -> Non
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(c.kernel_root / rel, dst)
             seen.add(rel)
+
+
+def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:
+    """The ArgSpec, with the shape and dtype each parameter/buffer must have when bound."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    out = []
+    for s in arg_spec:
+        t = state.get(s.fqn) if s.fqn else None
+        out.append(Slot(s.kind, s.fqn, s.index, s.dim,
+                        shape=None if t is None else list(t.shape),
+                        dtype=None if t is None else str(t.dtype).removeprefix("torch.")))
+    return tuple(out)
 
 
 def _input_dict(s: Any) -> dict[str, Any]:

@@ -367,7 +367,68 @@ def _first_line(cmd: Sequence[str]) -> str | None:
     return lines[0].strip() if lines else None
 
 
+def _native_march(cxx: str) -> str | None:
+    """The CPU the compiler resolves ``-march=native`` to (``cooperlake``, ``znver4`` …): Inductor
+    builds CPU kernels with it, so kernels are only safe on CPUs of that kind."""
+    try:
+        res = subprocess.run([cxx, "-march=native", "-Q", "--help=target"], capture_output=True,
+                             text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in res.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "-march=":
+            return parts[1]
+    return None
+
+
+# Inductor settings that change generated code, read after the manifest's patches (and any
+# TORCHINDUCTOR_* environment variable) are applied. Cache-location and thread-count settings are
+# left out: they differ per machine and do not change the kernels.
+_CONFIG_FACTOR_KEYS = (
+    "max_autotune", "max_autotune_gemm", "max_autotune_pointwise", "coordinate_descent_tuning",
+    "epilogue_fusion", "aggressive_fusion", "freezing", "fallback_random", "cpp_wrapper",
+    "emulate_precision_casts", "size_asserts", "split_reductions", "benchmark_kernel",
+    "cpp.simdlen", "cpp.march", "cpp.min_chunk_size", "cpp.enable_kernel_profile",
+    "triton.cudagraphs", "triton.autotune_pointwise", "triton.unique_kernel_names",
+)
+_ENV_IGNORE = ("DIR", "PATH", "LOGPATH", "THREADS", "VERBOSE", "DEBUG", "TRACE", "LOG")
+
+
+def config_factors(options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Inductor part of the key: the manifest's patches, aotc's fixed config, the values of
+    code-changing settings as this process would compile with them, and TORCHINDUCTOR_* /
+    TORCH_COMPILE_* environment variables (other than locations, thread counts, logging)."""
+    from torch._inductor import config
+
+    options = dict(options or {})
+    values: dict[str, Any] = {}
+    with _config_patch(options):
+        for name in _CONFIG_FACTOR_KEYS:
+            obj: Any = config
+            try:
+                for part in name.split("."):
+                    obj = getattr(obj, part)
+            except AttributeError:
+                continue
+            values[name] = obj if isinstance(obj, (bool, int, float, str, type(None))) else repr(obj)
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_"))
+           and not any(k.endswith(sfx) or f"_{sfx}_" in k for sfx in _ENV_IGNORE)}
+    return {"patches": options, "fixed": dict(_FIXED_CONFIG), "values": values, "env": env}
+
+
+_TOOLCHAIN_MEMO: dict[str, dict[str, Any]] = {}
+
+
 def toolchain_factors(device: str) -> dict[str, Any]:
+    """Memoized per process and device (it runs the C++ compiler twice); see ``_toolchain``."""
+    if device not in _TOOLCHAIN_MEMO:
+        _TOOLCHAIN_MEMO[device] = _toolchain(device)
+    return dict(_TOOLCHAIN_MEMO[device])
+
+
+def _toolchain(device: str) -> dict[str, Any]:
     """What the compiled artifacts depend on besides the model: a JSON-able dict.
 
     torch version and ``torch_key``, triton version, python, the C/C++ compiler's id line, and
@@ -402,6 +463,7 @@ def toolchain_factors(device: str) -> dict[str, Any]:
         with config.patch({"cpp.vec_isa_ok": True}):  # the pick from CPU flags, no gcc probe
             factors["vec_isa"] = str(pick_vec_isa()) or None
         factors["aten_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        factors["march"] = config.cpp.march if getattr(config.cpp, "march", None) else _native_march(cxx)
     elif dev.type == "cuda":
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         cap = torch.cuda.get_device_capability(idx)

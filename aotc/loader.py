@@ -91,7 +91,8 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
             raise LoadError("loading by key needs `model=`: the module whose weights to bind")
         st = open_store(store)
         entry = st.get(manifest_or_key)
-        return load_entry(entry, st, model, timings)
+        options = entry.factors.get("inductor", {}).get("patches", {})
+        return load_entry(entry, st, model, timings, options=options)
     manifest = as_manifest(manifest_or_key)
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)

@@ -26,6 +26,8 @@ class Slot:
     fqn: str | None = None
     index: int | None = None
     dim: int | None = None
+    shape: list[int] | None = None  # param/buffer: the shape the program was compiled for
+    dtype: str | None = None  # param/buffer: its dtype ("float32", …)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ unchanged (its full key recomputed from the current hashes must equal its stored
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import sys
@@ -23,12 +24,45 @@ from aotc.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 from aotc.manifest import Manifest, thaw
 
 
+# aotc's own modules whose logic shapes the artifacts (capture, split, compile settings).
+_COMPILE_LOGIC = ("capture.py", "split.py", "inductor.py", "pieces.py", "graphcode.py")
+
+
+def _compile_logic_hash() -> str:
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for name in _COMPILE_LOGIC:
+        h.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return h.hexdigest()
+
+
 def base_factors(manifest: Manifest, toolchain: dict[str, Any]) -> dict[str, Any]:
-    """Every key factor but ``code``: manifest, toolchain, inductor options, aotc format."""
+    """Every key factor but ``code``: manifest, toolchain, Inductor settings (patches + the
+    code-changing values and env vars in effect), aotc's format and compile-logic hash."""
+    from aotc.inductor import config_factors
+
     m = manifest.key_factors()
-    inductor = m.pop("inductor", thaw(manifest.inductor))
-    return {"manifest": m, "toolchain": toolchain, "inductor": inductor,
-            "aotc": {"format": FORMAT_VERSION}}
+    m.pop("inductor", None)
+    return {"manifest": m, "toolchain": toolchain,
+            "inductor": config_factors(thaw(manifest.inductor)),
+            "aotc": {"format": FORMAT_VERSION, "compile_logic": _compile_logic_hash()}}
+
+
+def factory_source(manifest: Manifest) -> dict[str, str]:
+    """The factory's own source file (relative path -> sha256): it may bake constants into the
+    model that Dynamo never traces through, so it is always part of the ``code`` factor."""
+    m = manifest.model
+    if m.factory_file is not None:
+        rel, path = f"aotc_factory_{Path(m.factory_file).stem}.py", Path(m.factory_file)
+    elif m.factory_module:
+        spec = importlib.util.find_spec(m.factory_module)
+        if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+            return {}
+        path = Path(spec.origin)
+        rel = m.factory_module.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
+    else:
+        return {}
+    return {rel: hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
 def full_factors(base: dict[str, Any], code: dict[str, str]) -> dict[str, Any]:
@@ -90,25 +124,34 @@ def resolve(manifest: Manifest, store: Store, toolchain: dict[str, Any], record:
     base = base_factors(manifest, toolchain)
     probe = compute_key(base)
     rows = store.index.query(
-        "SELECT key FROM entries WHERE json_extract(metadata, '$.probe') = ? AND bad IS NULL"
-        " ORDER BY created DESC", (probe,))
+        "SELECT key, metadata FROM entries WHERE bad IS NULL ORDER BY created DESC")
     candidates = []
     for row in rows:
+        try:  # parsed here, not with json_extract: one garbage row must not break every lookup
+            meta = json.loads(row["metadata"])
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(meta, dict) or meta.get("probe") != probe:
+            continue
         try:
             candidates.append(store.get(row["key"], record=False))
         except (CacheMiss, CorruptedCacheError):  # gone, or bad: not a hit (verify reports it)
             continue
-    for cand in candidates:
+    newest_miss: tuple[Entry, tuple[FactorDiff, ...]] | None = None
+    for cand in candidates:  # every candidate: servers on older code may share a store
         code = cand.factors.get("code", {})
         current = full_factors(base, hash_sources(code, manifest))
         if compute_key(current) == cand.key:
             entry = store.get(cand.key, record=record)
             COUNTERS["cache_hits"] += 1
             return Resolution(probe, entry)
-        closest_diffs = tuple(explain(cand.factors, current))
+        if newest_miss is None:
+            newest_miss = (cand, tuple(explain(cand.factors, current)))
+    if newest_miss is not None:
+        cand, diffs = newest_miss
         if record:
-            store.record_miss(cand.key, "; ".join(d.describe() for d in closest_diffs)[:500])
-        return Resolution(probe, None, cand, closest_diffs)
+            store.record_miss(cand.key, "; ".join(d.describe() for d in diffs)[:500])
+        return Resolution(probe, None, cand, diffs)
     # No entry with the same probe: diff against the newest entry of the same name, if any.
     same_name = store.index.query(
         "SELECT key FROM entries WHERE name = ? ORDER BY created DESC LIMIT 1", (manifest.name,))

@@ -4,6 +4,7 @@ splitting pieces (attention) eagerly. No Dynamo, no compiler."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -68,7 +69,7 @@ class Runner:
                  model: torch.nn.Module, key: str = "", timings: Timings | None = None) -> None:
         self.program, self.key, self.model = program, key, model
         self.timings = timings or Timings()
-        self.current_tokens: int = 0
+        self._local = threading.local()  # the token count of the call in flight, per thread
         self.calls: dict[int | None, int] = {}
         t0 = time.perf_counter()
         self._stitch = GraphProgram(program.stitch)
@@ -81,10 +82,14 @@ class Runner:
         self._bind(model)
         self.timings.add("bind", time.perf_counter() - t0)
 
+    @property
+    def current_tokens(self) -> int:
+        """The token count of the call in flight on this thread."""
+        return int(getattr(self._local, "tokens", 0))
+
     def _bind(self, model: torch.nn.Module) -> None:
         state = dict(model.named_parameters(remove_duplicate=False))
         state.update(model.named_buffers(remove_duplicate=False))
-        dtype = DTYPES[self.program.dtype]
         self._bound: list[Any] = []
         for slot in self.program.slots:
             if slot.kind not in ("param", "buffer"):
@@ -97,8 +102,12 @@ class Runner:
             if t.device.type != torch.device(self.program.device).type:
                 raise LoadError(f"{slot.kind} {slot.fqn!r} is on {t.device}, the program runs on "
                                 f"{self.program.device}; move the model first")
-            if t.is_floating_point() and t.dtype != dtype and slot.kind == "param":
-                raise LoadError(f"param {slot.fqn!r} is {t.dtype}, the program was compiled for {dtype}")
+            if slot.dtype is not None and str(t.dtype).removeprefix("torch.") != slot.dtype:
+                raise LoadError(f"{slot.kind} {slot.fqn!r} is {t.dtype}, the program was compiled "
+                                f"for {slot.dtype}")
+            if slot.shape is not None and list(t.shape) != list(slot.shape):
+                raise LoadError(f"{slot.kind} {slot.fqn!r} has shape {list(t.shape)}, the program "
+                                f"was compiled for {slot.shape}")
             self._bound.append(t)
 
     def check_inputs(self, inputs: Sequence[Any]) -> int:
@@ -139,7 +148,7 @@ class Runner:
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         n = self.check_inputs(inputs)
-        self.current_tokens = n
+        self._local.tokens = n
         args = []
         for slot, bound in zip(self.program.slots, self._bound):
             if bound is not None:

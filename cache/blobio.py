@@ -103,20 +103,22 @@ def stream_blob(
     total = 0
     dctx = zstandard.ZstdDecompressor()
     try:
-        with open(blob_path, "rb") as raw, dctx.stream_reader(raw, read_across_frames=True) as reader:
-            while True:
-                chunk = reader.read(CHUNK)
-                if not chunk:
-                    break
-                hasher.update(chunk)
-                total += len(chunk)
-                sink(chunk)
+        raw = open(blob_path, "rb")
     except FileNotFoundError as exc:
         raise BlobCorrupt("blob file is missing") from exc
-    except zstandard.ZstdError as exc:
-        raise BlobCorrupt(f"zstd cannot decompress it ({exc})") from exc
-    except OSError as exc:
-        raise BlobCorrupt(f"cannot read it ({exc})") from exc
+    # Only the blob's own faults become BlobCorrupt; an error of the sink (disk full while
+    # writing the copy) or of the OS propagates as-is and never marks a good entry bad.
+    with raw, dctx.stream_reader(raw, read_across_frames=True) as reader:
+        while True:
+            try:
+                chunk = reader.read(CHUNK)
+            except zstandard.ZstdError as exc:
+                raise BlobCorrupt(f"zstd cannot decompress it ({exc})") from exc
+            if not chunk:
+                break
+            hasher.update(chunk)
+            total += len(chunk)
+            sink(chunk)
     if expected_size is not None and total != expected_size:
         raise BlobCorrupt(f"decompressed to {total} bytes, the index says {expected_size}")
     actual = hasher.hexdigest()

@@ -136,10 +136,26 @@ class Index:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:  # sqlite may have rolled back by itself (I/O error)
+                    conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """A read transaction: every query inside sees one consistent state of the index."""
+        conn = self.conn
+        with self._translate():
+            if conn.in_transaction:  # nested: the outer transaction is the snapshot
+                yield
+                return
+            conn.execute("BEGIN")
+            try:
+                yield
+            finally:
+                if conn.in_transaction:
+                    conn.execute("COMMIT")
 
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         """Rows of a read query as dicts."""

@@ -118,47 +118,59 @@ def _tmp_files(store: Store, grace: float) -> list[Path]:
     return out
 
 
+def _entry_info(row: dict[str, Any], by_key: dict[str, list[dict[str, Any]]],
+                blob_rows: dict[str, dict[str, Any]], files: dict[str, Path],
+                warnings: list[str]) -> EntryInfo:
+    key = str(row["key"])
+
+    size = stored = 0
+    for ref in by_key.get(key, []):
+        blob = blob_rows.get(ref["digest"])
+        if blob is None:
+            warnings.append(f"entry {key[:12]} ({row['name']}): blob {ref['role']!r} has no index row")
+            continue
+        if ref["digest"] not in files:
+            warnings.append(
+                f"entry {key[:12]} ({row['name']}): blob {ref['role']!r} "
+                f"{str(ref['digest'])[:12]} is missing on disk"
+            )
+        size += int(blob["size"] or 0)
+        stored += int(blob["stored_size"] or 0)
+    pieces, shapes = None, ()
+    try:
+        meta = json.loads(row["metadata"])
+        pieces = meta.get("pieces") if isinstance(meta.get("pieces"), int) else None
+        if isinstance(meta.get("shapes"), list):
+            shapes = tuple(str(s) for s in meta["shapes"])
+    except (TypeError, ValueError, AttributeError):
+        warnings.append(f"entry {key[:12]} ({row['name']}): metadata is not valid JSON")
+    if row["bad"] is not None:
+        warnings.append(f"entry {key[:12]} ({row['name']}) is marked bad: {row['bad']}")
+    return EntryInfo(
+        key=key, name=str(row["name"]), blob_count=len(by_key.get(key, [])), size=size,
+        stored_size=stored, created=float(row["created"] or 0),
+        last_used=float(row["last_used"] or 0), hits=int(row["hits"] or 0), bad=row["bad"],
+        pieces=pieces, shapes=shapes,
+    )
+
+
 def scan(store: Store, tmp_grace: float = DEFAULT_TMP_GRACE) -> StoreScan:
     """Describe the store from its index and a directory listing (no blob is decompressed)."""
     warnings: list[str] = []
     files = _blob_files(store)
-    blob_rows = {r["digest"]: r for r in store.index.query("SELECT * FROM blobs")}
-    refs = store.index.query("SELECT key, role, digest FROM entry_blobs")
+    with store.index.snapshot():
+        blob_rows = {r["digest"]: r for r in store.index.query("SELECT * FROM blobs")}
+        refs = store.index.query("SELECT key, role, digest FROM entry_blobs")
+        entry_rows = store.index.query("SELECT * FROM entries ORDER BY last_used DESC")
     by_key: dict[str, list[dict[str, Any]]] = {}
     for ref in refs:
         by_key.setdefault(ref["key"], []).append(ref)
     entries = []
-    for row in store.index.query("SELECT * FROM entries ORDER BY last_used DESC"):
-        key = str(row["key"])
-        size = stored = 0
-        for ref in by_key.get(key, []):
-            blob = blob_rows.get(ref["digest"])
-            if blob is None:
-                warnings.append(f"entry {key[:12]} ({row['name']}): blob {ref['role']!r} has no index row")
-                continue
-            if ref["digest"] not in files:
-                warnings.append(
-                    f"entry {key[:12]} ({row['name']}): blob {ref['role']!r} "
-                    f"{str(ref['digest'])[:12]} is missing on disk"
-                )
-            size += int(blob["size"] or 0)
-            stored += int(blob["stored_size"] or 0)
-        pieces, shapes = None, ()
+    for row in entry_rows:
         try:
-            meta = json.loads(row["metadata"])
-            pieces = meta.get("pieces") if isinstance(meta.get("pieces"), int) else None
-            if isinstance(meta.get("shapes"), list):
-                shapes = tuple(str(s) for s in meta["shapes"])
-        except (TypeError, ValueError, AttributeError):
-            warnings.append(f"entry {key[:12]} ({row['name']}): metadata is not valid JSON")
-        if row["bad"] is not None:
-            warnings.append(f"entry {key[:12]} ({row['name']}) is marked bad: {row['bad']}")
-        entries.append(EntryInfo(
-            key=key, name=str(row["name"]), blob_count=len(by_key.get(key, [])), size=size,
-            stored_size=stored, created=float(row["created"] or 0),
-            last_used=float(row["last_used"] or 0), hits=int(row["hits"] or 0), bad=row["bad"],
-            pieces=pieces, shapes=shapes,
-        ))
+            entries.append(_entry_info(row, by_key, blob_rows, files, warnings))
+        except (TypeError, ValueError) as exc:
+            warnings.append(f"entry {str(row['key'])[:12]}: index row is garbage ({exc})")
     referenced = {r["digest"] for r in refs}
     orphans = sorted(d for d in files if d not in referenced)
     size_on_disk = 0
@@ -226,9 +238,11 @@ def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GR
     bad entries, orphan blobs and stale staging files (marking entries bad as it goes)."""
     problems: list[Problem] = []
     bad: dict[str, str] = {}
-    blob_rows = {r["digest"]: r for r in store.index.query("SELECT * FROM blobs")}
-    entries = {r["key"]: r for r in store.index.query("SELECT * FROM entries")}
-    refs = store.index.query("SELECT key, role, digest FROM entry_blobs")
+    bad_digest: dict[str, str] = {}  # entry -> the blob found bad (marking is conditional on it)
+    with store.index.snapshot():  # one consistent state, whatever writers do meanwhile
+        blob_rows = {r["digest"]: r for r in store.index.query("SELECT * FROM blobs")}
+        entries = {r["key"]: r for r in store.index.query("SELECT * FROM entries")}
+        refs = store.index.query("SELECT key, role, digest FROM entry_blobs")
     checked: dict[str, str | None] = {}  # digest -> problem (None = good)
     nbytes = 0
     for ref in refs:
@@ -256,11 +270,13 @@ def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GR
             kind = "missing" if "missing" in str(checked[digest]) else "corrupt"
             problems.append(Problem(key, name, role, digest, kind, str(checked[digest])))
             bad[key] = f"blob {role!r} {digest[:16]}…: {checked[digest]}"
+            bad_digest[key] = digest
     for key, row in entries.items():
         try:
             for col in ("factors", "metadata"):
                 if not isinstance(json.loads(row[col]), dict):
                     raise ValueError(f"{col} is not a JSON object")
+            float(row["created"]), float(row["last_used"]), int(row["hits"])
         except (TypeError, ValueError) as exc:
             problems.append(Problem(key, row["name"], None, None, "garbage-row", str(exc)))
             bad[key] = f"index row is garbage ({exc})"
@@ -271,12 +287,15 @@ def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GR
     for digest in sorted(_blob_files(store)):
         if digest not in referenced:
             problems.append(Problem(None, None, None, digest, "orphan", "blob file used by no entry"))
+    flagged = []
     for key, reason in bad.items():
-        if key in entries and entries[key]["bad"] is None:
-            store.mark_bad(key, reason)
+        digest = bad_digest.get(key)
+        if key in entries and (entries[key]["bad"] is not None or store.mark_bad(key, reason, digest)):
+            flagged.append(key)
     freed = 0
-    if repair:
-        freed = delete_entries(store, list(bad))
+    if repair:  # only entries that are (still) marked bad: a concurrent re-put clears the mark
+        still_bad = {r["key"] for r in store.index.query("SELECT key FROM entries WHERE bad IS NOT NULL")}
+        freed = delete_entries(store, [k for k in flagged if k in still_bad])
         freed += plan_gc(store, max_size=None, tmp_grace=tmp_grace).execute()
     return VerifyReport(
         entries_checked=len(entries), blobs_checked=len(checked), bytes_checked=nbytes,
@@ -284,32 +303,39 @@ def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GR
     )
 
 
-def _remove_unreferenced(store: Store, conn: Any, digests: Iterable[str]) -> int:
-    """Within a write transaction: delete blob rows and files no entry refers to."""
+def _remove_unreferenced(store: Store, digests: Iterable[str]) -> int:
+    """Delete blob rows and files that no entry refers to (checked under the write lock, so a
+    concurrent put cannot start referring to one in between). Rows go in the same transaction as
+    the unlinks; a crash part way leaves unreferenced rows or files, which gc collects later."""
     freed = 0
-    for digest in set(digests):
-        still = conn.execute("SELECT 1 FROM entry_blobs WHERE digest = ? LIMIT 1", (digest,)).fetchone()
-        if still:
-            continue
-        conn.execute("DELETE FROM blobs WHERE digest = ?", (digest,))
-        if blobio.is_digest(digest):
-            path = store.blob_path(digest)
-            try:
-                freed += path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                pass
+    with store.index.write() as conn:
+        for digest in set(digests):
+            if conn.execute("SELECT 1 FROM entry_blobs WHERE digest = ? LIMIT 1", (digest,)).fetchone():
+                continue
+            conn.execute("DELETE FROM blobs WHERE digest = ?", (digest,))
+            if blobio.is_digest(digest):
+                path = store.blob_path(digest)
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                    freed += size
+                except FileNotFoundError:
+                    pass
+                except OSError:  # cannot delete now (permissions, busy): leave it for next time
+                    continue
     return freed
 
 
 def delete_entries(store: Store, keys: Iterable[str]) -> int:
-    """Delete entries and the blobs only they used, in one transaction; returns bytes freed."""
+    """Delete entries, then the blobs only they used; returns bytes freed. Two steps: the rows
+    (one transaction, committed), then the files — a crash in between leaves orphans, never an
+    entry whose blobs are gone."""
     keys = list(keys)
     if not keys:
         return 0
     now = time.time()
+    digests: list[str] = []
     with store.index.write() as conn:
-        digests: list[str] = []
         for key in keys:
             digests += [r[0] for r in conn.execute(
                 "SELECT digest FROM entry_blobs WHERE key = ?", (key,))]
@@ -317,7 +343,7 @@ def delete_entries(store: Store, keys: Iterable[str]) -> int:
             conn.execute("DELETE FROM entries WHERE key = ?", (key,))
             conn.execute("INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'delete', NULL)",
                          (now, key))
-        return _remove_unreferenced(store, conn, digests)
+    return _remove_unreferenced(store, digests)
 
 
 @dataclass(frozen=True)
@@ -339,12 +365,11 @@ class GcPlan:
     def execute(self) -> int:
         """Delete what the plan names; returns the bytes actually freed."""
         freed = delete_entries(self.store, [e.key for e in self.entries])
-        with self.store.index.write() as conn:
-            freed += _remove_unreferenced(self.store, conn, self.orphan_blobs)
-            # blob rows whose file vanished and that nobody references
-            rows = conn.execute("SELECT digest FROM blobs WHERE digest NOT IN"
-                                " (SELECT digest FROM entry_blobs)").fetchall()
-            freed += _remove_unreferenced(self.store, conn, [r[0] for r in rows])
+        freed += _remove_unreferenced(self.store, self.orphan_blobs)
+        # blob rows whose file vanished and that nobody references
+        rows = self.store.index.query("SELECT digest FROM blobs WHERE digest NOT IN"
+                                      " (SELECT digest FROM entry_blobs)")
+        freed += _remove_unreferenced(self.store, [r["digest"] for r in rows])
         for name in self.tmp_files:
             path = self.store.tmp_dir / name
             try:
@@ -409,7 +434,7 @@ def parse_size(text: str) -> int:
         value = float(t)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (use e.g. 500M, 10G)") from None
-    if value < 0 or value != value:
+    if not 0 <= value < float("inf"):
         raise ValueError(f"not a size: {text!r} (must be >= 0)")
     return int(value * mult)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,12 +181,11 @@ class Store:
     def _publish(self, source: blobio.BlobSource) -> blobio.StagedBlob:
         s = blobio.stage_blob(source, self.tmp_dir)
         dest = self.blob_path(s.digest)
-        if dest.exists():
-            s.path.unlink(missing_ok=True)  # same content already stored: dedup
-        else:
-            dest.parent.mkdir(exist_ok=True)
-            os.replace(s.path, dest)
-            blobio.fsync_dir(dest.parent)
+        dest.parent.mkdir(exist_ok=True)
+        # Always replace, even when a file of that name exists: the fresh copy is known good,
+        # the old one may be damaged; readers holding the old file keep reading it unharmed.
+        os.replace(s.path, dest)
+        blobio.fsync_dir(dest.parent)
         return blobio.StagedBlob(s.digest, s.size, s.stored_size, dest)
 
     # -- read -------------------------------------------------------------------------------
@@ -198,7 +198,13 @@ class Store:
         """The entry for ``key``; raises ``CacheMiss`` or ``CorruptedCacheError``. With ``record``
         a hit (or miss) is counted and the entry's last use is updated. Blob bytes are read with
         ``read_blob`` / ``extract_blob``, which verify them."""
-        rows = self.index.query("SELECT * FROM entries WHERE key = ?", (key,))
+        with self.index.snapshot():  # the row and its refs from one state of the index
+            rows = self.index.query("SELECT * FROM entries WHERE key = ?", (key,))
+            refs = self.index.query(
+                "SELECT eb.role, eb.digest, b.size, b.stored_size FROM entry_blobs eb"
+                " LEFT JOIN blobs b ON b.digest = eb.digest WHERE eb.key = ?",
+                (key,),
+            ) if rows else []
         if not rows:
             if record:
                 self._event(key, "miss", None)
@@ -206,31 +212,25 @@ class Store:
         row = rows[0]
         if row["bad"] is not None:
             raise CorruptedCacheError(key, "entry", "-" * 16, f"marked bad earlier: {row['bad']}")
-        refs = self.index.query(
-            "SELECT eb.role, eb.digest, b.size, b.stored_size FROM entry_blobs eb"
-            " LEFT JOIN blobs b ON b.digest = eb.digest WHERE eb.key = ?",
-            (key,),
-        )
-        blobs: dict[str, BlobRef] = {}
-        for ref in refs:
-            if ref["size"] is None or not blobio.is_digest(ref["digest"]):
-                self.mark_bad(key, f"index row for blob {ref['role']!r} is broken")
-                raise CorruptedCacheError(
-                    key, str(ref["role"]), str(ref["digest"]), "its index row is missing or garbage"
-                )
-            blobs[ref["role"]] = BlobRef(ref["role"], ref["digest"], ref["size"], ref["stored_size"])
         try:
+            blobs: dict[str, BlobRef] = {}
+            for ref in refs:
+                if ref["size"] is None or not blobio.is_digest(ref["digest"]):
+                    raise ValueError(f"blob {ref['role']!r} has no valid blob row")
+                blobs[str(ref["role"])] = BlobRef(str(ref["role"]), ref["digest"], int(ref["size"]),
+                                                  int(ref["stored_size"]))
             factors = json.loads(row["factors"])
             metadata = json.loads(row["metadata"])
             if not isinstance(factors, dict) or not isinstance(metadata, dict):
-                raise ValueError("not a JSON object")
+                raise ValueError("factors/metadata is not a JSON object")
+            entry = Entry(
+                key=key, name=str(row["name"]), factors=factors, metadata=metadata, blobs=blobs,
+                created=float(row["created"]), last_used=float(row["last_used"]),
+                hits=int(row["hits"]),
+            )
         except (TypeError, ValueError) as exc:
             self.mark_bad(key, f"index row is garbage ({exc})")
             raise CorruptedCacheError(key, "entry", "-" * 16, f"index row is garbage ({exc})") from exc
-        entry = Entry(
-            key=key, name=str(row["name"]), factors=factors, metadata=metadata, blobs=blobs,
-            created=float(row["created"]), last_used=float(row["last_used"]), hits=int(row["hits"]),
-        )
         if record:
             now = time.time()
             self.index.execute(
@@ -253,9 +253,10 @@ class Store:
         ref = self._ref(entry, role)
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        partial = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
+        partial = Path(tmp_name)
         try:
-            with open(partial, "wb") as out:
+            with os.fdopen(fd, "wb") as out:
                 blobio.stream_blob(self.blob_path(ref.digest), ref.digest, ref.size, out.write)
         except blobio.BlobCorrupt as exc:
             partial.unlink(missing_ok=True)
@@ -289,14 +290,26 @@ class Store:
             ) from None
 
     def _corrupt(self, key: str, ref: BlobRef, problem: str) -> None:
-        self.mark_bad(key, f"blob {ref.role!r} {ref.digest[:16]}…: {problem}")
-        raise CorruptedCacheError(key, ref.role, ref.digest, problem)
+        """A blob read failed: mark the entry bad only if it still uses that blob (it may have
+        been replaced or evicted while we read it — then this is a miss, not corruption)."""
+        if self.mark_bad(key, f"blob {ref.role!r} {ref.digest[:16]}…: {problem}", digest=ref.digest):
+            raise CorruptedCacheError(key, ref.role, ref.digest, problem)
+        raise CacheMiss(key, hint="the entry was replaced or evicted while being read; look it up again")
 
     # -- bookkeeping ------------------------------------------------------------------------
-    def mark_bad(self, key: str, reason: str) -> None:
-        """Flag an entry so it is never used again until repaired or re-put."""
-        self.index.execute("UPDATE entries SET bad = ? WHERE key = ?", (reason, key))
-        self._event(key, "corrupt", reason)
+    def mark_bad(self, key: str, reason: str, digest: str | None = None) -> bool:
+        """Flag an entry so it is never used again until repaired or re-put. With ``digest``,
+        only while the entry still refers to that blob. Returns whether it was flagged."""
+        with self.index.write() as conn:
+            if digest is not None and not conn.execute(
+                    "SELECT 1 FROM entry_blobs WHERE key = ? AND digest = ? LIMIT 1",
+                    (key, digest)).fetchone():
+                return False
+            cur = conn.execute("UPDATE entries SET bad = ? WHERE key = ?", (reason, key))
+            if cur.rowcount:
+                conn.execute("INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'corrupt', ?)",
+                             (time.time(), key, reason))
+            return bool(cur.rowcount)
 
     def record_miss(self, key: str, detail: str | None = None) -> None:
         """Count a miss decided outside ``get`` (e.g. a compile that found nothing)."""

@@ -3,10 +3,24 @@ the store commands stay torch-free)."""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import click
 
 from aotc.cache.humanize import format_size
-from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
+from aotc.cli.common import AppContext, echo_err, guard, print_json
+
+
+def _store_for(ctx: click.Context, manifest: Any) -> Any:
+    """``--store`` / ``AOTC_STORE`` win; else the manifest's ``store:``; else the default."""
+    from aotc.compiler import open_store
+
+    app: AppContext = ctx.obj
+    explicit = ctx.find_root().params.get("store_path") or os.environ.get("AOTC_STORE")
+    if explicit or manifest.store is None:
+        return app.store
+    return open_store(manifest.store)
 
 
 @click.command("compile")
@@ -14,19 +28,21 @@ from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
 @click.option("--force", is_flag=True, help="Recompile even when the store has the entry.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Compile pieces in N processes (each re-traces the model once).")
 @click.pass_context
 @guard
-def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: bool, quiet: bool) -> None:
+def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: bool, quiet: bool,
+                    jobs: int) -> None:
     """Trace MANIFEST's model once, split it at attention, compile each unique piece for every
     size with Inductor, check it against eager, and store the program."""
     from aotc.compiler import compile_manifest
     from aotc.manifest import load_manifest
     from aotc.progress import Progress
 
-    app: AppContext = ctx.obj
     m = load_manifest(manifest)  # a bad manifest fails before the store is touched
-    store = app.store if ctx.find_root().params.get("store_path") or m.store is None else m.store
-    result = compile_manifest(m, store=store, force=force, progress=Progress(quiet=quiet))
+    store = _store_for(ctx, m)
+    result = compile_manifest(m, store=store, force=force, progress=Progress(quiet=quiet), jobs=jobs)
     if as_json:
         print_json(result.to_json())
         return
@@ -49,14 +65,16 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
 @click.command("explain")
 @click.argument("manifest", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@pass_app
+@click.pass_context
 @guard
-def explain_command(app: AppContext, manifest: str, as_json: bool) -> None:
+def explain_command(ctx: click.Context, manifest: str, as_json: bool) -> None:
     """Say whether MANIFEST has an entry for this machine and, if not, which key factors differ
     from the closest stored entry."""
     from aotc.explain import explain_manifest
+    from aotc.manifest import load_manifest
 
-    report = explain_manifest(manifest, store=app.store)
+    m = load_manifest(manifest)
+    report = explain_manifest(m, store=_store_for(ctx, m))
     if as_json:
         print_json(report)
         return
@@ -89,9 +107,8 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
     from aotc.manifest import load_manifest
     from aotc.run import check_report, run_manifest
 
-    app: AppContext = ctx.obj
     m = load_manifest(manifest)
-    store = app.store if ctx.find_root().params.get("store_path") or m.store is None else m.store
+    store = _store_for(ctx, m)
     report = run_manifest(m, sizes, store=store, check_eager=check_eager)
     if as_json:
         print_json(report)

@@ -179,3 +179,20 @@ def test_bad_manifest_exit_2_store_untouched(tmp_path) -> None:
     assert res.exit_code == 2
     assert res.output.count("\n") == 1 and "bad.yaml" in res.output
     assert not (tmp_path / "store").exists()
+
+
+def test_parallel_workers_compile_the_same_program(compiled, tmp_path) -> None:
+    """-j 2: a worker process re-traces, agrees on the piece ids and compiles its share."""
+    from aotc.compiler import compile_manifest
+    from aotc.inductor import counters_snapshot
+    from aotc.program import PROGRAM_ROLE, Program
+
+    _tmp, store, _results = compiled
+    m = toy_manifest(tmp_path, 3, name="toy-3-parallel", compile_sizes=[])
+    before = counters_snapshot()["compiles"]
+    res = compile_manifest(m, store=store, jobs=2)
+    assert (res.pieces, res.unique_pieces, res.compiles) == (7, 3, 3)
+    assert counters_snapshot()["compiles"] - before == 3
+    assert res.max_abs_err <= 1e-4
+    program = Program.from_json(store.read_blob(store.get(res.key, record=False), PROGRAM_ROLE))
+    assert sorted(a.uid for a in program.artifacts) == sorted(set(program.unique_pieces))

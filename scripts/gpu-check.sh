@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One prepared check for a machine with an NVIDIA GPU (the device tool's H200: Python 3.12,
+# torch 2.11 + CUDA, triton 3.6, no package registry). Installs aotc with --no-deps into a venv
+# that sees the system torch, plus the wheels carried in .whl/ (sqlite-utils, zstandard, ...),
+# then: the CUDA-marked tests and the torch-2.11 compatibility of the pipeline tests, and
+# toy-llama compiled for cuda and warm-started (eager vs aotc at 1, 8, 64 tokens).
+# Usage (device tool): bash scripts/gpu-check.sh   (writes logs and JSON under $OUT)
+set -uo pipefail
+OUT=${OUT:-/tmp/aotc-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m venv --system-site-packages /tmp/aotc-venv || exit 1
+PY=/tmp/aotc-venv/bin/python
+$PY -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl || exit 1
+$PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+nvidia-smi -L
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+echo "== tests (store, manifest, pipeline pieces incl. CUDA) =="
+timeout 420 $PY -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_manifest.py \
+    tests/test_pipeline_pieces.py -p no:warnings 2>&1 | tee "$OUT/tests.log" | tail -25
+
+echo "== toy-llama on cuda: compile, then warm start in a fresh process =="
+sed 's/^device: cpu/device: cuda/' manifests/toy-llama.yaml > /tmp/toy-cuda.yaml
+STORE=/tmp/aotc-gpu-store
+t0=$(date +%s.%N)
+timeout 300 $PY -m aotc.cli --store $STORE compile /tmp/toy-cuda.yaml -j 4 --json > "$OUT/compile.json" 2> "$OUT/compile.err"
+echo "compile rc=$? wall $(echo "$(date +%s.%N) - $t0" | bc)s"; tail -3 "$OUT/compile.err"
+timeout 120 $PY -m aotc.cli --store $STORE run /tmp/toy-cuda.yaml --sizes 1,8,64,100 --check-eager --json > "$OUT/run.json" 2> "$OUT/run.err"
+echo "run rc=$?"; tail -3 "$OUT/run.err"
+$PY - "$OUT" <<'PYEOF'
+import json, sys
+out = sys.argv[1]
+for name in ("compile.json", "run.json"):
+    try:
+        d = json.load(open(f"{out}/{name}"))
+    except Exception as e:  # noqa: BLE001
+        print(name, "unreadable:", e); continue
+    keep = {k: d.get(k) for k in ("key", "pieces", "unique_pieces", "compiles", "traces", "seconds",
+                                   "max_abs_err", "load_seconds", "phases", "sizes")}
+    print(name, json.dumps(keep, indent=1)[:2500])
+PYEOF
