@@ -48,6 +48,8 @@ class PieceRecord:
     uid: str | None = None  # compiled: unique-piece id (shared by identical pieces)
     graph: dict[str, Any] | None = None  # splitting: the encoded graph, run eagerly
     op: str | None = None  # splitting: the op name, for display
+    returns_tuple: bool = True  # compiled: the piece graph returns a tuple (else one value;
+    # torch < 2.12's split_module has no tuple_return and single outputs come back bare)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,10 @@ Artifact = Callable[..., Sequence[torch.Tensor]]
 class _CompiledPiece:
     """Calls the artifact for the runner's current token count."""
 
-    def __init__(self, runner: Runner, uid: str, by_size: Mapping[int | None, Artifact]) -> None:
+    def __init__(self, runner: Runner, uid: str, by_size: Mapping[int | None, Artifact],
+                 returns_tuple: bool = True) -> None:
         self.runner, self.uid, self.by_size = runner, uid, dict(by_size)
+        self.returns_tuple = returns_tuple
         self.dynamic = self.by_size.get(None)
 
     def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
@@ -35,7 +37,8 @@ class _CompiledPiece:
         self.runner.calls[n if n in self.by_size else None] = (
             self.runner.calls.get(n if n in self.by_size else None, 0) + 1)
         out = fn(*args)
-        return out if isinstance(out, (list, tuple)) else (out,)
+        out = out if isinstance(out, (list, tuple)) else (out,)
+        return out if self.returns_tuple else out[0]
 
 
 class _SplittingPiece:
@@ -76,7 +79,8 @@ class Runner:
         self._modules: dict[str, Callable[..., Any]] = {}
         for p in program.pieces:
             if p.kind == "compiled":
-                self._modules[p.name] = _CompiledPiece(self, str(p.uid), artifacts[str(p.uid)])
+                self._modules[p.name] = _CompiledPiece(self, str(p.uid), artifacts[str(p.uid)],
+                                                       p.returns_tuple)
             else:
                 self._modules[p.name] = _SplittingPiece(GraphProgram(p.graph or {"nodes": []}))
         self._bind(model)

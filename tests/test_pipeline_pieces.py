@@ -264,7 +264,7 @@ def _fresh_load(piece, cp, tmp_path: Path, n: int, ship_kernels: bool = True) ->
     root = tmp_path / ("kernels" if ship_kernels else "empty")
     if ship_kernels:
         shutil.copytree(cp.kernel_root, root)
-    root.mkdir(exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
     args = _real_args(piece, n, seed=3)
     with torch.no_grad():
         ref = [t.cpu() for t in piece.gm(*args)]
