@@ -53,7 +53,7 @@ def factory_source(manifest: Manifest) -> dict[str, str]:
     model that Dynamo never traces through, so it is always part of the ``code`` factor."""
     m = manifest.model
     if m.factory_file is not None:
-        rel, path = f"aotc_factory_{Path(m.factory_file).stem}.py", Path(m.factory_file)
+        rel, path = Path(m.factory_file).name, Path(m.factory_file)  # as capture records it
     elif m.factory_module:
         spec = importlib.util.find_spec(m.factory_module)
         if spec is None or not spec.origin or not os.path.isfile(spec.origin):
@@ -72,14 +72,15 @@ def full_factors(base: dict[str, Any], code: dict[str, str]) -> dict[str, Any]:
 
 def locate_source(rel: str, manifest: Manifest) -> Path | None:
     """Find the file a recorded relative source path names, on this machine (None if absent)."""
+    factory_file = manifest.model.factory_file
+    if factory_file is not None and rel == Path(factory_file).name:
+        return Path(factory_file)
     if rel.endswith(".py"):
         dotted = rel[:-3].replace("/", ".").removesuffix(".__init__")
         mod = sys.modules.get(dotted)
         f = getattr(mod, "__file__", None)
         if f:
             return Path(f)
-        if manifest.model.factory_file is not None and dotted.startswith("aotc_factory_"):
-            return Path(manifest.model.factory_file)
         try:
             spec = importlib.util.find_spec(dotted)
         except (ImportError, ValueError):

@@ -31,10 +31,11 @@ def manifest(tmp: Path, layers: int, hidden: int) -> Path:
     return path
 
 
-def compile_cold(path: Path, store: Path) -> dict:
+def compile_cold(path: Path, store: Path, jobs: int = 1) -> dict:
     t = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "aotc.cli", "--store", str(store), "compile",
-                          str(path), "--json", "-q"], capture_output=True, text=True, check=False)
+                          str(path), "--json", "-q", "-j", str(jobs)], capture_output=True,
+                         text=True, check=False)
     wall = time.perf_counter() - t
     if out.returncode != 0:
         raise SystemExit(f"compile of {path} failed:\n{out.stderr}")
@@ -48,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", default="2,8,32")
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--jobs", type=int, default=1, help="aotc compile -j (worker processes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     depths = [int(x) for x in args.layers.split(",")]
@@ -55,14 +57,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="aotc-bench-compile-") as tmp:
         for layers in depths:
             rows[layers] = compile_cold(manifest(Path(tmp), layers, args.hidden),
-                                        Path(tmp) / f"store-{layers}")
+                                        Path(tmp) / f"store-{layers}", args.jobs)
     base = rows[depths[0]]["wall_seconds"]
     for r in rows.values():
         r["time_vs_shallowest"] = round(r["wall_seconds"] / base, 3)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"cold compile, toy-llama hidden {args.hidden}, 6 shapes, fresh process + empty store each")
+    print(f"cold compile, toy-llama hidden {args.hidden}, 6 shapes, -j {args.jobs}, "
+          "fresh process + empty store each")
     print(f"{'layers':>6} {'pieces':>6} {'unique':>6} {'compiles':>8} {'wall s':>8} {'compile s':>9} {'ratio':>6}")
     for layers, r in rows.items():
         print(f"{layers:>6} {r['pieces']:>6} {r['unique_pieces']:>6} {r['compiles']:>8} "

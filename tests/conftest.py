@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = ROOT / "tests" / "helpers"
@@ -31,3 +32,44 @@ def python_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+SIZES = [4]
+
+
+def toy_manifest(tmp: Path, layers: int, name: str | None = None, **extra) -> Path:
+    data = {
+        "name": name or f"toy-{layers}",
+        "model": {"factory": "aotc.models.toy_llama:build",
+                  "kwargs": {"layers": layers, "hidden": 64, "heads": 4, "vocab": 128}},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 128},
+                   {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],
+        "compile_sizes": SIZES, "capture_sizes": [1, 2, 4, 8], "max_tokens": 256,
+        "splitting_ops": ["aotc::attention"],
+    }
+    data.update(extra)
+    path = tmp / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """toy-llama with 2 and 4 layers and a tiny HF Llama, compiled once into one store."""
+    from aotc.cache import Store
+    from aotc.compiler import compile_manifest
+    from aotc.inductor import counters_snapshot
+
+    tmp = tmp_path_factory.mktemp("compile")
+    store = Store(tmp / "store")
+    results = {}
+    for layers in (2, 4):
+        m = toy_manifest(tmp, layers)
+        before = counters_snapshot()
+        results[layers] = (m, compile_manifest(m, store=store), before, counters_snapshot())
+    hf = tmp / "hf.yaml"
+    data = yaml.safe_load((ROOT / "manifests" / "tiny-hf-llama.yaml").read_text())
+    data["compile_sizes"] = [1]  # size 1: the backed HF graph serves >= 2 tokens
+    hf.write_text(yaml.safe_dump(data))
+    results["hf"] = (hf, compile_manifest(hf, store=store), None, None)
+    return tmp, store, results

@@ -1,0 +1,106 @@
+"""The warm start: a fresh process loads a compiled program with no trace and no compile, binds
+the weights it is given, checks its inputs, and misses when a traced source file changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import aotc
+from aotc.build import build_model, make_inputs
+from aotc.cache import CacheMiss
+from aotc.errors import InputError, LoadError
+from aotc.manifest import load_manifest
+from tests.conftest import HELPERS, PYTHON, python_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_fresh_process_warm_start_runs_nothing(compiled) -> None:
+    _tmp, store, results = compiled
+    manifest = results[2][0]
+    sizes = [1, 3, 4, 9, 200]  # below, between, at and above the compile size; 1 is dynamic
+    out = subprocess.run([PYTHON, str(HELPERS / "warm_start.py"), str(manifest), str(store.root),
+                          *map(str, sizes)], capture_output=True, text=True, env=python_env(),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(err <= 1e-4 for err in report["errs"].values()), report["errs"]
+    c = report["counters"]
+    assert c["traces"] == 0 and c["frames_traced"] == 0 and c["graphs_captured"] == 0
+    assert c["compiles"] == 0 and c["inductor_compiles"] == 0
+    assert c["loads"] == 3 * 2  # 3 unique pieces x (dynamic + size 4)
+    compiler_runs = [cmd for cmd in report["commands"]
+                     if any(part.endswith((".cpp", ".c")) for part in cmd) or "-shared" in cmd]
+    assert compiler_runs == [], compiler_runs
+
+
+def test_binds_the_given_modules_weights(compiled) -> None:
+    _tmp, store, results = compiled
+    manifest = load_manifest(results[2][0])
+    other = build_model(manifest)  # the server's own weights: here, the same shapes, other values
+    gen = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(p + 0.05 * torch.randn(p.shape, generator=gen))
+    runner = aotc.load(manifest, model=other, store=store)
+    x = make_inputs(manifest, 6)
+    with torch.no_grad():
+        got, want = runner(*x), other(*x)
+        original = build_model(manifest)(*x)
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, original, atol=1e-3)  # weights are not baked in
+
+
+def test_bind_rejects_mismatched_module(compiled) -> None:
+    _tmp, store, results = compiled
+    manifest = load_manifest(results[2][0])
+    wrong = build_model(manifest.replace(model={**manifest.to_dict()["model"],
+                                                "kwargs": {"layers": 2, "hidden": 32, "heads": 4,
+                                                           "vocab": 128}}))
+    with pytest.raises(LoadError, match=r"has shape \[128, 32\].*compiled for \[128, 64\]"):
+        aotc.load(manifest, model=wrong, store=store)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda m: [x.to(torch.int32) for x in make_inputs(m, 4)], "dtype int64"),
+    (lambda m: [x.unsqueeze(0) for x in make_inputs(m, 4)], "rank 1"),
+    (lambda m: [x.to("meta") for x in make_inputs(m, 4)], "device cpu"),
+    (lambda m: [x[:0] for x in make_inputs(m, 4)], r"token count 0 is outside \[1, max_tokens=256\]"),
+    (lambda m: make_inputs(m, 257), r"token count 257 is outside"),
+    (lambda m: make_inputs(m, 4)[:1], "expected 2 inputs"),
+    (lambda m: [make_inputs(m, 4)[0], make_inputs(m, 5)[1]], "has 5 tokens, other inputs have 4"),
+], ids=["dtype", "rank", "device", "zero", "too-many", "count", "mismatch"])
+def test_runner_rejects_bad_inputs(compiled, make, match) -> None:
+    _tmp, store, results = compiled
+    manifest = load_manifest(results[2][0])
+    runner = aotc.load(manifest, store=store)
+    with pytest.raises(InputError, match=match):
+        runner(*make(manifest))
+
+
+def test_changed_source_file_is_a_miss_naming_it(compiled, tmp_path) -> None:
+    _tmp, store, _results = compiled
+    src = tmp_path / "mymodel.py"
+    shutil.copy(Path(aotc.__file__).parent / "models" / "toy_llama.py", src)
+    data = {"name": "edited", "model": {"factory": "mymodel.py:build",
+                                        "kwargs": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64}},
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 64},
+                       {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],
+            "splitting_ops": ["aotc::attention"], "max_tokens": 64}
+    manifest = tmp_path / "edited.yaml"
+    manifest.write_text(yaml.safe_dump(data))
+    res = aotc.compile(manifest, store=store)
+    assert res.compiles == 2  # 1 layer: first and last piece, dynamic only
+    aotc.load(manifest, store=store)  # a hit
+    src.write_text(src.read_text() + "\n# an edit\n")
+    with pytest.raises(CacheMiss) as info:
+        aotc.load(manifest, store=store)
+    msg = str(info.value)
+    assert "changed source file: mymodel.py" in msg and "aotc compile" in msg
