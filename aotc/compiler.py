@@ -24,6 +24,7 @@ from aotc.key import compute_key
 from aotc.manifest import Manifest, load_manifest
 from aotc.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
 from aotc.progress import Progress
+from aotc.toolchain import machine_factors
 from aotc.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runner import Runner
 from aotc.parallel import compile_tasks
@@ -119,7 +120,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     store = open_store(store, manifest)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    toolchain = inductor.toolchain_factors(manifest.device)
+    toolchain = machine_factors(manifest.device, store.base / "toolchain")
     base = base_factors(manifest, toolchain)
     if not force:
         found = resolve(manifest, store, toolchain, record=False)
@@ -195,7 +196,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         metadata = {
             "probe": compute_key(base), "pieces": len(parts.pieces), "unique_pieces": len(first_of),
             "compiles": n_compiles, "shapes": ["dynamic" if s is None else str(s) for s in shapes],
-            "numerics": numerics, "torch": toolchain.get("torch"), "device": manifest.device,
+            "numerics": numerics, "torch": toolchain["toolchain"].get("torch"), "device": manifest.device,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
         }
         entry = store.put(key, manifest.name, blobs, factors=factors, metadata=metadata)

@@ -385,26 +385,24 @@ def _native_march(cxx: str) -> str | None:
 # Inductor settings that change generated code, read after the manifest's patches (and any
 # TORCHINDUCTOR_* environment variable) are applied. Cache-location and thread-count settings are
 # left out: they differ per machine and do not change the kernels.
-_CONFIG_FACTOR_KEYS = (
+CONFIG_FACTOR_KEYS = (
     "max_autotune", "max_autotune_gemm", "max_autotune_pointwise", "coordinate_descent_tuning",
     "epilogue_fusion", "aggressive_fusion", "freezing", "fallback_random", "cpp_wrapper",
     "emulate_precision_casts", "size_asserts", "split_reductions", "benchmark_kernel",
     "cpp.simdlen", "cpp.march", "cpp.min_chunk_size", "cpp.enable_kernel_profile",
     "triton.cudagraphs", "triton.autotune_pointwise", "triton.unique_kernel_names",
 )
-_ENV_IGNORE = ("DIR", "PATH", "LOGPATH", "THREADS", "VERBOSE", "DEBUG", "TRACE", "LOG")
 
 
-def config_factors(options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The Inductor part of the key: the manifest's patches, aotc's fixed config, the values of
-    code-changing settings as this process would compile with them, and TORCHINDUCTOR_* /
-    TORCH_COMPILE_* environment variables (other than locations, thread counts, logging)."""
+def config_values() -> dict[str, Any]:
+    """The values of the code-changing Inductor settings (``CONFIG_FACTOR_KEYS``) this process
+    would compile with before the manifest's patches: defaults, TORCHINDUCTOR_* variables and
+    aotc's fixed config applied."""
     from torch._inductor import config
 
-    options = dict(options or {})
     values: dict[str, Any] = {}
-    with _config_patch(options):
-        for name in _CONFIG_FACTOR_KEYS:
+    with _config_patch({}):
+        for name in CONFIG_FACTOR_KEYS:
             obj: Any = config
             try:
                 for part in name.split("."):
@@ -412,10 +410,12 @@ def config_factors(options: dict[str, Any] | None = None) -> dict[str, Any]:
             except AttributeError:
                 continue
             values[name] = obj if isinstance(obj, (bool, int, float, str, type(None))) else repr(obj)
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_"))
-           and not any(k.endswith(sfx) or f"_{sfx}_" in k for sfx in _ENV_IGNORE)}
-    return {"patches": options, "fixed": dict(_FIXED_CONFIG), "values": values, "env": env}
+    return values
+
+
+def fixed_config() -> dict[str, Any]:
+    """Config aotc always compiles and loads with (part of the key)."""
+    return dict(_FIXED_CONFIG)
 
 
 _TOOLCHAIN_MEMO: dict[str, dict[str, Any]] = {}

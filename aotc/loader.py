@@ -22,6 +22,7 @@ from aotc.compiler import as_manifest, open_store
 from aotc.errors import LoadError
 from aotc.manifest import Manifest
 from aotc.program import PROGRAM_ROLE, Program
+from aotc.toolchain import machine_factors
 from aotc.resolve import resolve
 from aotc.runner import Runner, Timings
 
@@ -39,7 +40,7 @@ def _workdir() -> Path:
 
 def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
     t = time.perf_counter()
-    toolchain = inductor.toolchain_factors(manifest.device)
+    toolchain = machine_factors(manifest.device, store.base / "toolchain")
     res = resolve(manifest, store, toolchain, record=True)
     timings.add("resolve", time.perf_counter() - t)
     if res.entry is not None:

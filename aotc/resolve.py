@@ -36,15 +36,27 @@ def _compile_logic_hash() -> str:
     return h.hexdigest()
 
 
-def base_factors(manifest: Manifest, toolchain: dict[str, Any]) -> dict[str, Any]:
-    """Every key factor but ``code``: manifest, toolchain, Inductor settings (patches + the
-    code-changing values and env vars in effect), aotc's format and compile-logic hash."""
-    from aotc.inductor import config_factors
+_ENV_IGNORE = ("DIR", "PATH", "LOGPATH", "THREADS", "VERBOSE", "DEBUG", "TRACE", "LOG")
 
+
+def inductor_factors(patches: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The Inductor part of the key: the manifest's patches, the code-changing settings as this
+    process would compile with them (``values`` with the patches applied), and TORCHINDUCTOR_* /
+    TORCH_COMPILE_* / TORCHDYNAMO_* variables other than locations, thread counts and logging."""
+    applied = {**values, **{k: v for k, v in patches.items() if k in values}}
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_"))
+           and not any(k.endswith(sfx) or f"_{sfx}_" in k for sfx in _ENV_IGNORE)}
+    return {"patches": patches, "values": applied, "env": env}
+
+
+def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
+    """Every key factor but ``code``: manifest, toolchain, Inductor settings, aotc's format and
+    compile-logic hash. ``machine`` is ``aotc.toolchain.machine_factors(...)``."""
     m = manifest.key_factors()
     m.pop("inductor", None)
-    return {"manifest": m, "toolchain": toolchain,
-            "inductor": config_factors(thaw(manifest.inductor)),
+    return {"manifest": m, "toolchain": machine["toolchain"],
+            "inductor": inductor_factors(thaw(manifest.inductor), machine["inductor_values"]),
             "aotc": {"format": FORMAT_VERSION, "compile_logic": _compile_logic_hash()}}
 
 
@@ -120,9 +132,10 @@ class Resolution:
         return self.entry is not None
 
 
-def resolve(manifest: Manifest, store: Store, toolchain: dict[str, Any], record: bool = True) -> Resolution:
-    """Find the stored entry this manifest would compile to on this machine, without tracing."""
-    base = base_factors(manifest, toolchain)
+def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: bool = True) -> Resolution:
+    """Find the stored entry this manifest would compile to on this machine, without tracing.
+    ``machine`` is ``aotc.toolchain.machine_factors(...)``."""
+    base = base_factors(manifest, machine)
     probe = compute_key(base)
     rows = store.index.query(
         "SELECT key, metadata FROM entries WHERE bad IS NULL ORDER BY created DESC")
