@@ -176,9 +176,11 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             source_files=code,
         )
         by_uid: dict[str, dict[int | None, Any]] = {}
-        for a in artifacts:  # reload exactly what will be stored, as the loader will
-            by_uid.setdefault(a.uid, {})[a.size] = inductor.load_piece(
-                compiled[(a.uid, a.size)].artifact, kernel_root, options=dict(manifest.inductor))
+        loaded = inductor.load_pieces(  # reload exactly what will be stored, as the loader will
+            [compiled[(a.uid, a.size)].artifact for a in artifacts], kernel_root,
+            options=dict(manifest.inductor))
+        for a, fn in zip(artifacts, loaded):
+            by_uid.setdefault(a.uid, {})[a.size] = fn
         runner = Runner(program, by_uid, model)
         numerics = numeric_check(runner, model, manifest)
         program = _with_numerics(program, numerics)

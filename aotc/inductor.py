@@ -338,21 +338,35 @@ def load_piece(
     used as the Inductor cache dir during the load (Inductor writes its regenerated wrapper
     sources there too, so it must be writable and should outlive the returned callable).
     """
-    artifact_file, kernel_root = Path(artifact_file), Path(kernel_root)
-    if not artifact_file.is_file():
-        raise LoadError(f"{artifact_file}: compiled artifact missing")
-    try:
-        with inductor_cache_dir(kernel_root), _config_patch(dict(options or {})):
-            art = torch._inductor.CompiledArtifact.load(path=str(artifact_file), format="binary")
-    except Exception as e:  # noqa: BLE001
-        raise LoadError(f"{artifact_file}: cannot load compiled artifact ({type(e).__name__}: "
-                        f"{e}); it was built by another torch build (torch_key) or is damaged — "
-                        "recompile it") from e
-    _ours["loads"] += 1
+    return load_pieces([artifact_file], kernel_root, options=options)[0]
 
+
+def load_pieces(
+    artifact_files: Sequence[Path], kernel_root: Path, *, options: dict[str, Any] | None = None
+) -> list[Callable[..., list[torch.Tensor]]]:
+    """Load several saved pieces sharing one kernel root, in one Inductor cache-dir scope (the
+    in-memory code caches are cleared once, not per artifact); see :func:`load_piece`."""
+    kernel_root = Path(kernel_root)
+    out = []
+    with inductor_cache_dir(kernel_root), _config_patch(dict(options or {})):
+        for artifact_file in map(Path, artifact_files):
+            if not artifact_file.is_file():
+                raise LoadError(f"{artifact_file}: compiled artifact missing")
+            try:
+                art = torch._inductor.CompiledArtifact.load(path=str(artifact_file), format="binary")
+            except Exception as e:  # noqa: BLE001
+                raise LoadError(f"{artifact_file}: cannot load compiled artifact ({type(e).__name__}: "
+                                f"{e}); it was built by another torch build (torch_key) or is "
+                                "damaged — recompile it") from e
+            _ours["loads"] += 1
+            out.append(_normalized(art))
+    return out
+
+
+def _normalized(art: Any) -> Callable[..., list[torch.Tensor]]:
     def run(*args: Any) -> list[torch.Tensor]:
-        out = art(*args)
-        return list(out) if isinstance(out, (list, tuple)) else [out]
+        res = art(*args)
+        return list(res) if isinstance(res, (list, tuple)) else [res]
 
     run.artifact = art  # type: ignore[attr-defined]
     return run

@@ -70,9 +70,10 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
     timings.add("read+verify", time.perf_counter() - t)
     t = time.perf_counter()
     by_uid: dict[str, dict[int | None, Any]] = {}
-    for a in program.artifacts:
-        by_uid.setdefault(a.uid, {})[a.size] = inductor.load_piece(
-            dests[a.role], kernel_root, options=options)
+    loaded = inductor.load_pieces([dests[a.role] for a in program.artifacts], kernel_root,
+                                  options=options)
+    for a, fn in zip(program.artifacts, loaded):
+        by_uid.setdefault(a.uid, {})[a.size] = fn
     timings.add("deserialize", time.perf_counter() - t)
     return Runner(program, by_uid, model, key=entry.key, timings=timings)
 
