@@ -31,6 +31,7 @@ test: install
 bench: install
 	$(PY) bench/store.py
 	$(PY) bench/compile.py
+	$(PY) bench/warm_start.py
 
 lint: install
 	$(PY) -m compileall -q aotc cache cli bench tests
