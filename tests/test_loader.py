@@ -104,3 +104,36 @@ def test_changed_source_file_is_a_miss_naming_it(compiled, tmp_path) -> None:
         aotc.load(manifest, store=store)
     msg = str(info.value)
     assert "changed source file: mymodel.py" in msg and "aotc compile" in msg
+
+
+def test_cli_run_json_check_eager(compiled) -> None:
+    from click.testing import CliRunner
+
+    from aotc.cli import cli
+
+    _tmp, store, results = compiled
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(results[2][0]),
+                                   "--sizes", "1,4,9", "--check-eager", "--json"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["key"] == results[2][1].key
+    assert (data["traces"], data["compiles"]) == (0, 0)
+    assert set(data["sizes"]) == {"1", "4", "9"}
+    assert all(s["ok"] and s["max_abs_err"] <= 1e-4 for s in data["sizes"].values())
+    assert {"resolve", "read+verify", "deserialize", "bind"} <= set(data["phases"])
+
+
+def test_cli_run_miss_is_one_line_exit_1(compiled, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from aotc.cli import cli
+    from tests.conftest import toy_manifest
+
+    _tmp, store, _results = compiled
+    m = toy_manifest(tmp_path, 2, compile_sizes=[2, 4])  # same name as a stored entry
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "run", str(m)], catch_exceptions=False)
+    assert res.exit_code == 1
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "aotc compile" in lines[0] and "aotc explain" in lines[0]
+    assert "manifest.compile_sizes" in lines[0]
