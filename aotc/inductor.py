@@ -341,6 +341,38 @@ def load_piece(
     return load_pieces([artifact_file], kernel_root, options=options)[0]
 
 
+@contextlib.contextmanager
+def _in_process_isa_probes() -> Iterator[None]:
+    """While loading: answer Inductor's ISA-extension probes (AVX512-BF16, VNNI, AMX …) by
+    dlopen-ing the shipped probe library in this process instead of in a child Python per probe
+    (6 children, ~1.2 s here). The libraries were built for this key's march/ISA and are only
+    loaded, never called. Torch 2.11–2.13: ``VecISA._probe_load(self, path) -> bool``."""
+    try:
+        from torch._inductor.cpu_vec_isa import VecISA
+    except ImportError:  # pragma: no cover - other torch layouts: keep torch's own probe
+        yield
+        return
+    original = getattr(VecISA, "_probe_load", None)
+    if original is None:
+        yield
+        return
+
+    def probe(self: Any, output_path: str) -> bool:
+        import ctypes
+
+        try:
+            ctypes.CDLL(output_path)
+        except OSError:
+            return False
+        return True
+
+    VecISA._probe_load = probe  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        VecISA._probe_load = original  # type: ignore[method-assign]
+
+
 def load_pieces(
     artifact_files: Sequence[Path], kernel_root: Path, *, options: dict[str, Any] | None = None
 ) -> list[Callable[..., list[torch.Tensor]]]:
@@ -348,7 +380,11 @@ def load_pieces(
     in-memory code caches are cleared once, not per artifact); see :func:`load_piece`."""
     kernel_root = Path(kernel_root)
     out = []
-    with inductor_cache_dir(kernel_root), _config_patch(dict(options or {})):
+    # The vector ISA was settled at compile time and is in the key (toolchain.vec_isa, march):
+    # trust the CPU flags at load instead of Inductor re-probing each ISA by compiling and
+    # dlopen-ing a test library in a child Python (10 subprocesses, ~2 s here).
+    load_config = {"cpp.vec_isa_ok": True, **dict(options or {})}
+    with inductor_cache_dir(kernel_root), _config_patch(load_config), _in_process_isa_probes():
         for artifact_file in map(Path, artifact_files):
             if not artifact_file.is_file():
                 raise LoadError(f"{artifact_file}: compiled artifact missing")
