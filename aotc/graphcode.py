@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 import operator
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx
@@ -162,11 +162,6 @@ class GraphProgram:
                     fn = operator.getitem if what == "operator.getitem" else _resolve_fn(what)
                 self.steps.append((n["name"], kind, fn, n["args"], n["kwargs"]))
 
-    @property
-    def module_names(self) -> list[str]:
-        """The ``call_module`` targets, in call order."""
-        return [fn for (_n, kind, fn, _a, _k) in self.steps if kind == "mod"]
-
     def __call__(self, modules: Mapping[str, Callable[..., Any]], *args: Any) -> Any:
         if len(args) != len(self.placeholders):
             raise LoadError(f"graph takes {len(self.placeholders)} inputs, got {len(args)}")
@@ -182,7 +177,3 @@ class GraphProgram:
                 env[name] = fn(*args_, **kwargs)
         return _decode_arg(self.output, env)
 
-
-def run_encoded(encoded: Encoded, modules: Mapping[str, Callable[..., Any]], args: Sequence[Any]) -> Any:
-    """Decode and run once (tests, debugging); the loader keeps a ``GraphProgram``."""
-    return GraphProgram(encoded)(modules, *args)

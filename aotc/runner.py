@@ -34,8 +34,6 @@ class _CompiledPiece:
         if fn is None:
             raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
                              f"(static sizes: {sorted(k for k in self.by_size if k)})")
-        self.runner.calls[n if n in self.by_size else None] = (
-            self.runner.calls.get(n if n in self.by_size else None, 0) + 1)
         out = fn(*args)
         out = out if isinstance(out, (list, tuple)) else (out,)
         return out if self.returns_tuple else out[0]
@@ -73,7 +71,6 @@ class Runner:
         self.program, self.key, self.model = program, key, model
         self.timings = timings or Timings()
         self._local = threading.local()  # the token count of the call in flight, per thread
-        self.calls: dict[int | None, int] = {}
         t0 = time.perf_counter()
         self._stitch = GraphProgram(program.stitch)
         self._modules: dict[str, Callable[..., Any]] = {}
