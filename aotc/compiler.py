@@ -17,16 +17,17 @@ from typing import Any
 
 from aotc import inductor
 from aotc.build import make_inputs
-from aotc.cache import Store, default_store_path
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.graphcode import encode_graph
 from aotc.key import compute_key
-from aotc.manifest import Manifest, load_manifest
+from aotc.manifest import Manifest
+from aotc.stores import as_manifest, open_store
 from aotc.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
 from aotc.progress import Progress
 from aotc.toolchain import machine_factors
 from aotc.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runner import Runner
+from aotc.rehydrate import rehydrate
 from aotc.parallel import compile_tasks
 from aotc.pieces import trace_and_split
 from aotc.split import node_op_names
@@ -56,21 +57,6 @@ class CompileResult:
                 "traces": self.traces, "seconds": self.seconds, "bytes_stored": self.bytes_stored,
                 "max_abs_err": self.max_abs_err, "numerics": self.numerics,
                 "warnings": list(self.warnings), "store": self.store}
-
-
-def open_store(store: Any, manifest: Manifest | None = None) -> Store:
-    """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default."""
-    if isinstance(store, Store):
-        return store
-    if store is not None:
-        return Store(store)
-    if manifest is not None and manifest.store is not None:
-        return Store(manifest.store)
-    return Store(default_store_path())
-
-
-def as_manifest(manifest: Manifest | str | Path) -> Manifest:
-    return manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
 
 
 def check_sizes(manifest: Manifest) -> list[int]:
@@ -156,7 +142,8 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         code = {**dict(captured.source_files), **factory_source(manifest)}
         progress.phase("check", "reload artifacts, compare with eager")
         t = time.perf_counter()
-        artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}")
+        artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}",
+                                    _wrapper_role(compiled[(uid, size)], uid, size, warnings))
                      for (uid, size) in tasks]
         kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
         program = Program(
@@ -175,12 +162,9 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             min_dynamic_tokens=_min_dynamic(captured),
             source_files=code,
         )
-        by_uid: dict[str, dict[int | None, Any]] = {}
-        loaded = inductor.load_pieces(  # reload exactly what will be stored, as the loader will
-            [compiled[(a.uid, a.size)].artifact for a in artifacts], kernel_root,
-            options=dict(manifest.inductor))
-        for a, fn in zip(artifacts, loaded):
-            by_uid.setdefault(a.uid, {})[a.size] = fn
+        files = _artifact_files(artifacts, compiled)
+        # reload exactly what will be stored, as the loader will
+        by_uid = rehydrate(program, files, kernel_root, dict(manifest.inductor))
         runner = Runner(program, by_uid, model)
         numerics = numeric_check(runner, model, manifest)
         program = _with_numerics(program, numerics)
@@ -190,8 +174,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         factors = full_factors(base, code)
         key = compute_key(factors)
         blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json()}
-        for a in artifacts:
-            blobs[a.role] = compiled[(a.uid, a.size)].artifact
+        blobs.update(files)
         for rel, role in kernel_roles.items():
             blobs[role] = kernel_root / rel
         n_compiles = len(compiled)
@@ -210,6 +193,27 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
         store=str(store.root))
+
+
+def _wrapper_role(c: inductor.CompiledPiece, uid: str, size: int | None,
+                  warnings: list[str]) -> str | None:
+    if c.wrapper is None:
+        what = "dynamic" if size is None else f"{size} tokens"
+        warnings.append(f"piece {uid[:8]} ({what}) loads through Inductor at warm start "
+                        f"(slower): {c.wrapper_note}")
+        return None
+    return f"wrapper/{uid}/{size or 'dynamic'}"
+
+
+def _artifact_files(artifacts: list[ArtifactRecord],
+                    compiled: dict[Any, inductor.CompiledPiece]) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for a in artifacts:
+        c = compiled[(a.uid, a.size)]
+        files[a.role] = c.artifact
+        if a.wrapper_role and c.wrapper is not None:
+            files[a.wrapper_role] = c.wrapper
+    return files
 
 
 def _merge_kernels(c: inductor.CompiledPiece, root: Path, seen: set[str]) -> None:

@@ -1,5 +1,6 @@
 """aotc's own process-wide counters, which tests and ``aotc run`` assert on: ``traces`` (Dynamo
-captures aotc ran), ``compiles`` (Inductor compilations aotc ran), ``loads`` (artifacts loaded),
+captures aotc ran), ``compiles`` (Inductor compilations aotc ran), ``loads`` (artifacts loaded), ``fast_loads``
+(of those, through ``aotc.wrapper``),
 ``cache_hits`` (store lookups that found an entry). torch's own counters are read beside these in
 ``aotc.inductor.counters_snapshot``."""
 

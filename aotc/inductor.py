@@ -1,23 +1,16 @@
 """Compiling, saving and loading pieces with torch's private compile APIs (``torch._inductor``,
-``standalone_compile``, the Inductor cache dir). With :mod:`aotc.inductor_facts` (toolchain
-factors, setting values, counters — re-exported here) it is the only place those APIs are used.
+``standalone_compile``, the Inductor cache dir). With :mod:`aotc.inductor_facts` (re-exported
+here) and :mod:`aotc.wrapper` it is the only place those APIs are used. Torch 2.11–2.13, API
+differences feature-checked; run and tested: 2.13.0 CPU, 2.11 CUDA (H200).
 
-Torch versions: meant for 2.11–2.13, API differences feature-checked (``autograd_cache_key`` is
-new in 2.12/2.13: a structural hash replaces it before). Run and tested: 2.13.0 CPU only.
-
-How compiled kernels are shipped
---------------------------------
-A ``standalone_compile`` artifact holds the AOTAutograd + FX-graph cache entries (the Python
-wrapper and kernel *sources*; Triton binaries too, via Inductor's TritonBundler) but not the
-compiled C++ kernel libraries: a fresh process regenerates the sources and, when the ``.so`` is
-not in the Inductor cache dir, runs the C++ compiler again (21-25 s instead of ~5 s for one toy
-piece). So each compile runs in :func:`inductor_cache_dir` pointed at a fresh, empty dir (the
-in-memory code caches cleared, so every kernel the piece needs is written there); the binaries
-found there are its *kernel files* (paths relative to that dir). :func:`load_piece` makes a dir
-holding them at the same relative paths the cache dir, so Inductor finds each kernel under the
-key it computes. The vector-ISA probe libraries are shipped the same way (see
-``_isa_probe_files``). At load the C++ compiler is still *run for its version* (``g++ --version``
-/ ``-v``, part of each kernel's key): it must be installed, but it compiles nothing.
+Shipping kernels: a ``standalone_compile`` artifact holds the wrapper and kernel *sources*
+(Triton binaries too) but not the compiled C++ libraries, so a fresh process would run the C++
+compiler again. Each compile therefore runs in :func:`inductor_cache_dir` pointed at a fresh
+dir; the binaries found there are its *kernel files* (relative paths), restored under one root
+at load so Inductor finds each under the key it computes (the ISA probe libraries too, see
+``_isa_probe_files``). Loading through here still runs ``g++ --version`` (part of each kernel's
+key) and imports Inductor (~3 s): the warm start uses :mod:`aotc.wrapper` instead for every
+piece that qualifies, recorded by :func:`compile_piece`.
 """
 
 from __future__ import annotations
@@ -39,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from aotc import wrapper
 from aotc.errors import CompileError, LoadError
 from aotc.inductor_facts import (  # noqa: F401 - re-exported: callers use aotc.inductor
     CONFIG_FACTOR_KEYS, _config_patch, config_values, counters_snapshot, reset_counters,
@@ -52,6 +46,7 @@ __all__ = [
 
 # Files in a compile-time cache dir worth shipping: binaries Inductor checks for by path.
 _KERNEL_SUFFIXES = (".so", ".o", ".cubin", ".hsaco", ".ptx", ".json", ".llir", ".ttir", ".ttgir")
+_CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
 _SKIP_DIRS = {"locks", "fxgraph", "aotautograd", "pgo", "precompiles"}
 
 from aotc.counters import COUNTERS as _ours  # noqa: E402
@@ -100,6 +95,8 @@ class CompiledPiece:
     size: int | None
     key: str
     seconds: float
+    wrapper: Path | None = None  # the fast-path record (aotc.wrapper), when the piece qualifies
+    wrapper_note: str = ""  # why it does not
 
 
 def _sc_module() -> Any:
@@ -252,14 +249,15 @@ def piece_cache_key(
     tag = "dynamic" if dynamic else f"static:{[tuple(getattr(v, 'shape', ())) for v in inputs]}"
     fn = getattr(_sc_module(), "autograd_cache_key", None)
     if fn is not None and _graph_returns_tuple(gm):
+        from torch._inductor.codecache import BypassFxGraphCache as Bypass
         mode = "from_graph" if dynamic else "from_example_inputs"
         try:
             with torch.no_grad(), _config_patch(options):
                 key = fn(gm, inputs, mode)
             key = key[0] if isinstance(key, tuple) else key
             return f"{key}:{_options_digest(options)}" if options else str(key)
-        except (NotImplementedError, RuntimeError, AssertionError):
-            pass
+        except (NotImplementedError, RuntimeError, AssertionError, Bypass):
+            pass  # e.g. a graph Inductor's key cannot pickle: the structural key below
     return _fallback_key(gm, inputs, tag + json.dumps(options, sort_keys=True, default=str))
 
 
@@ -308,13 +306,15 @@ def compile_piece(
             raise CompileError(f"Inductor failed to compile piece ({what}) into {out_dir}: "
                                f"{type(e).__name__}: {e}") from e
         files = _kernel_files(Path(tmp))
+        vals = inputs if not dynamic else static_example_inputs(inputs, _CHECK_TOKENS)
+        note = wrapper.record_fast_path(art, vals, Path(tmp), files, out_dir / "wrapper.json")
         for rel in files:
             dst = kernel_root / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(Path(tmp) / rel, dst)
     _ours["compiles"] += 1
     return CompiledPiece(artifact, kernel_root, tuple(files), size, key,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, None if note else out_dir / "wrapper.json", note)
 
 
 def load_piece(

@@ -148,10 +148,15 @@ def counters_snapshot() -> dict[str, int]:
 
     ``frames_traced``/``graphs_captured`` (Dynamo), ``fx_graph_cache_hits``/``_misses``/
     ``_bypasses`` (Inductor; a miss or bypass is a real Inductor compile), ``autograd_cache_*``,
-    plus aotc's own ``compiles`` (``compile_piece`` calls) and ``loads`` (``load_piece`` calls).
+    plus aotc's own ``compiles`` (``compile_piece`` calls), ``loads`` (artifacts loaded) and
+    ``fast_loads`` (of those, loaded through ``aotc.wrapper`` without importing Inductor).
     """
-    from torch._dynamo.utils import counters
+    import sys
+    from collections import Counter, defaultdict
 
+    counters: Any = defaultdict(Counter)  # Dynamo/Inductor never imported: nothing ran
+    if "torch._dynamo.utils" in sys.modules:
+        from torch._dynamo.utils import counters
     ind, aot = counters["inductor"], counters["aot_autograd"]
     st, fr = counters["stats"], counters["frames"]
     return {
@@ -169,6 +174,7 @@ def counters_snapshot() -> dict[str, int]:
         "cache_hits": _ours["cache_hits"],
         "compiles": _ours["compiles"],
         "loads": _ours["loads"],
+        "fast_loads": _ours["fast_loads"],
     }
 
 

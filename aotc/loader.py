@@ -2,27 +2,30 @@
 rehydrated with their shipped kernels → bound to the live model's weights → ``Runner``.
 
 No Dynamo trace and no Inductor compile happen here: the key is resolved without tracing
-(``aotc.resolve``), artifacts are loaded with ``CompiledArtifact.load`` over the kernel
-libraries that were compiled at ``aotc compile`` time.
+(``aotc.resolve``). A piece whose generated wrapper qualified at compile time runs through
+``aotc.wrapper`` (Inductor is never imported); any other piece is loaded with
+``CompiledArtifact.load``; both over the kernel libraries compiled at ``aotc compile`` time.
+``AOTC_LOADER=inductor`` forces ``CompiledArtifact.load`` for every piece.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from aotc import inductor
 from aotc.build import build_model
 from aotc.cache import CacheMiss, Entry, Store
-from aotc.compiler import as_manifest, open_store
+from aotc.stores import as_manifest, open_store
 from aotc.errors import LoadError
 from aotc.manifest import Manifest
 from aotc.program import PROGRAM_ROLE, Program
 from aotc.toolchain import machine_factors
+from aotc.rehydrate import rehydrate
 from aotc.resolve import resolve
 from aotc.runner import Runner, Timings
 
@@ -65,17 +68,20 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
     work = _workdir()
     kernel_root = work / "kernels"
     dests = {role: kernel_root / rel for rel, role in program.kernel_roles.items()}
-    dests.update({a.role: work / "artifacts" / a.role.replace("/", "_") for a in program.artifacts})
+    fast = _use_fast_path()
+    for a in program.artifacts:
+        role = a.wrapper_role if fast and a.wrapper_role else a.role
+        dests[role] = work / "artifacts" / role.replace("/", "_")
     store.extract_blobs(entry, dests)
     timings.add("read+verify", time.perf_counter() - t)
     t = time.perf_counter()
-    by_uid: dict[str, dict[int | None, Any]] = {}
-    loaded = inductor.load_pieces([dests[a.role] for a in program.artifacts], kernel_root,
-                                  options=options)
-    for a, fn in zip(program.artifacts, loaded):
-        by_uid.setdefault(a.uid, {})[a.size] = fn
+    by_uid = rehydrate(program, dests, kernel_root, options, fast=fast)
     timings.add("deserialize", time.perf_counter() - t)
     return Runner(program, by_uid, model, key=entry.key, timings=timings)
+
+
+def _use_fast_path() -> bool:
+    return os.environ.get("AOTC_LOADER", "").strip().lower() != "inductor"
 
 
 def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,

@@ -38,14 +38,17 @@ def _label(uid: str, size: int | None) -> str:
 def _to_json(uid: str, c: inductor.CompiledPiece) -> str:
     return json.dumps({"uid": uid, "size": c.size, "artifact": str(c.artifact),
                        "kernel_root": str(c.kernel_root), "kernel_files": list(c.kernel_files),
-                       "key": c.key, "seconds": c.seconds})
+                       "key": c.key, "seconds": c.seconds,
+                       "wrapper": None if c.wrapper is None else str(c.wrapper),
+                       "wrapper_note": c.wrapper_note})
 
 
 def _from_json(line: str) -> tuple[Task, inductor.CompiledPiece]:
     d = json.loads(line)
     return (d["uid"], d["size"]), inductor.CompiledPiece(
         Path(d["artifact"]), Path(d["kernel_root"]), tuple(d["kernel_files"]), d["size"], d["key"],
-        float(d["seconds"]))
+        float(d["seconds"]), None if d.get("wrapper") is None else Path(d["wrapper"]),
+        str(d.get("wrapper_note", "")))
 
 
 def compile_tasks(manifest: Manifest, first_of: dict[str, Piece], tasks: list[Task], work: Path,

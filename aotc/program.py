@@ -37,6 +37,7 @@ class ArtifactRecord:
     uid: str
     size: int | None
     role: str  # blob role of the saved artifact
+    wrapper_role: str | None = None  # blob role of its fast-path record (aotc.wrapper), if any
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from aotc.manifest import Manifest, thaw
 
 # aotc's own modules whose logic shapes the artifacts (capture, split, compile settings).
 _COMPILE_LOGIC = ("capture.py", "split.py", "inductor.py", "inductor_facts.py", "pieces.py",
-                  "graphcode.py")
+                  "graphcode.py", "wrapper.py")
 
 
 def _compile_logic_hash() -> str:

@@ -17,7 +17,7 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
     import torch
 
     from aotc.build import make_inputs
-    from aotc.compiler import as_manifest
+    from aotc.stores import as_manifest
     from aotc.inductor import counters_snapshot
     from aotc.loader import load
 

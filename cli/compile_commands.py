@@ -14,7 +14,7 @@ from aotc.cli.common import AppContext, echo_err, guard, print_json
 
 def _store_for(ctx: click.Context, manifest: Any) -> Any:
     """``--store`` / ``AOTC_STORE`` win; else the manifest's ``store:``; else the default."""
-    from aotc.compiler import open_store
+    from aotc.stores import open_store
 
     app: AppContext = ctx.obj
     explicit = ctx.find_root().params.get("store_path") or os.environ.get("AOTC_STORE")

@@ -22,13 +22,18 @@ from tests.conftest import HELPERS, PYTHON, python_env
 pytestmark = pytest.mark.slow
 
 
-def test_fresh_process_warm_start_runs_nothing(compiled) -> None:
+@pytest.mark.parametrize("loader", ["fast", "inductor"])
+def test_fresh_process_warm_start_runs_nothing(compiled, loader) -> None:
+    """Both load paths: the fast path (aotc.wrapper, the default: Inductor is never imported)
+    and CompiledArtifact.load (AOTC_LOADER=inductor, what a piece that does not qualify gets)."""
     _tmp, store, results = compiled
     manifest = results[2][0]
     sizes = [1, 3, 4, 9, 200]  # below, between, at and above the compile size; 1 is dynamic
+    env = python_env()
+    if loader == "inductor":
+        env["AOTC_LOADER"] = "inductor"
     out = subprocess.run([PYTHON, str(HELPERS / "warm_start.py"), str(manifest), str(store.root),
-                          *map(str, sizes)], capture_output=True, text=True, env=python_env(),
-                         timeout=300)
+                          *map(str, sizes)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(err <= 1e-4 for err in report["errs"].values()), report["errs"]
@@ -36,6 +41,11 @@ def test_fresh_process_warm_start_runs_nothing(compiled) -> None:
     assert c["traces"] == 0 and c["frames_traced"] == 0 and c["graphs_captured"] == 0
     assert c["compiles"] == 0 and c["inductor_compiles"] == 0
     assert c["loads"] == 3 * 2  # 3 unique pieces x (dynamic + size 4)
+    if loader == "fast":
+        assert c["fast_loads"] == 3 * 2
+        assert report["inductor_modules"] == []  # not even imported
+    else:
+        assert c["fast_loads"] == 0 and report["inductor_modules"]
     compiler_runs = [cmd for cmd in report["commands"]
                      if any(part.endswith((".cpp", ".c")) for part in cmd) or "-shared" in cmd]
     assert compiler_runs == [], compiler_runs

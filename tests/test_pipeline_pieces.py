@@ -313,3 +313,25 @@ def test_cuda_piece_fresh_load(tmp_path):
             assert rep["err"] < 1e-3
             assert rep["counters"]["inductor_compiles"] == 0
             assert rep["counters"]["frames_traced"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size,n", [(None, 5), (None, 1), (None, 17), (5, 5)])
+def test_fast_path_is_bitwise_inductors_artifact(compiled, tmp_path, size, n):
+    """The fast path (aotc.wrapper) runs the same kernels as CompiledArtifact.load: identical
+    outputs, bit for bit, at the compiled size and at sizes it was not checked at."""
+    from aotc import inductor, wrapper
+
+    piece, arts = compiled
+    cp = arts[size]
+    assert cp.wrapper is not None, cp.wrapper_note
+    code = wrapper.WrapperCode.from_json(cp.wrapper.read_bytes())
+    assert code.kernels and set(code.kernels.values()) <= set(cp.kernel_files)
+    root = tmp_path / "kernels"
+    shutil.copytree(cp.kernel_root, root)
+    fast = wrapper.load(code, root)
+    slow = inductor.load_piece(cp.artifact, root)
+    args = _real_args(piece, n, seed=3)
+    with torch.no_grad():
+        got, want = fast(*args), slow(*args)
+    assert wrapper.same_outputs(got, want)

@@ -39,12 +39,15 @@ def main() -> None:
     t = time.perf_counter()
     runner = aotc.load(manifest, store=store)
     t_load = time.perf_counter() - t
+    # after the load, before any call (a custom op's first call imports Dynamo, eager or not)
+    inductor_modules = sorted(m for m in sys.modules if m.startswith("torch._inductor"))
     errs = {}
     for n in sizes:
         x = make_inputs(manifest, n, seed=5)
         with torch.no_grad():
             errs[n] = float((runner(*x) - runner.model(*x)).abs().max())
     print(json.dumps({"errs": errs, "counters": counters_snapshot(), "commands": COMMANDS,
+                      "inductor_modules": inductor_modules,
                       "import_s": t_import, "load_s": t_load, "phases": runner.timings.phases}))
 
 

@@ -1,0 +1,27 @@
+"""Opening the store a caller means: a ``Store``, a path, the manifest's ``store`` field, or the
+default (``AOTC_STORE``, else ``$XDG_CACHE_HOME/aotc``). Kept apart from the compiler so that a
+warm start imports nothing of the compile journey."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from aotc.cache import Store, default_store_path
+from aotc.manifest import Manifest, load_manifest
+
+
+def open_store(store: Any, manifest: Manifest | None = None) -> Store:
+    """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default."""
+    if isinstance(store, Store):
+        return store
+    if store is not None:
+        return Store(store)
+    if manifest is not None and manifest.store is not None:
+        return Store(manifest.store)
+    return Store(default_store_path())
+
+
+def as_manifest(manifest: Manifest | str | Path) -> Manifest:
+    """A ``Manifest`` from a Manifest or a path to one (validated: ``ManifestError`` if bad)."""
+    return manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
