@@ -60,8 +60,10 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
 
 
 def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
-               options: dict[str, Any] | None = None) -> Runner:
-    """Rehydrate one entry into a Runner bound to ``model``."""
+               options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
+               capture_sizes: Any = None) -> Runner:
+    """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
+    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's)."""
     timings = timings or Timings()
     t = time.perf_counter()
     program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
@@ -77,7 +79,11 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
     t = time.perf_counter()
     by_uid = rehydrate(program, dests, kernel_root, options, fast=fast)
     timings.add("deserialize", time.perf_counter() - t)
-    return Runner(program, by_uid, model, key=entry.key, timings=timings)
+    runner = Runner(program, by_uid, model, key=entry.key, timings=timings)
+    sizes = program.capture_sizes if capture_sizes is None else capture_sizes
+    if program.device.startswith("cuda") and cudagraph != "none" and sizes:
+        runner.capture_graphs(cudagraph, sizes)
+    return runner
 
 
 def _use_fast_path() -> bool:
@@ -110,4 +116,5 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
         t = time.perf_counter()
         model = build_model(manifest)
         timings.add("build model", time.perf_counter() - t)
-    return load_entry(entry, st, model, timings, options=dict(manifest.inductor))
+    return load_entry(entry, st, model, timings, options=dict(manifest.inductor),
+                      cudagraph=manifest.cudagraph, capture_sizes=manifest.capture_sizes)

@@ -22,6 +22,7 @@ from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
 from aotc.counters import COUNTERS
 from aotc.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 from aotc.manifest import Manifest, thaw
+from aotc.toolchain import codegen_env
 
 
 # aotc's own modules whose logic shapes the artifacts (capture, split, compile settings).
@@ -37,18 +38,12 @@ def _compile_logic_hash() -> str:
     return h.hexdigest()
 
 
-_ENV_IGNORE = ("DIR", "PATH", "LOGPATH", "THREADS", "VERBOSE", "DEBUG", "TRACE", "LOG")
-
-
 def inductor_factors(patches: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     """The Inductor part of the key: the manifest's patches, the code-changing settings as this
     process would compile with them (``values`` with the patches applied), and TORCHINDUCTOR_* /
     TORCH_COMPILE_* / TORCHDYNAMO_* variables other than locations, thread counts and logging."""
     applied = {**values, **{k: v for k, v in patches.items() if k in values}}
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_"))
-           and not any(k.endswith(sfx) or f"_{sfx}_" in k for sfx in _ENV_IGNORE)}
-    return {"patches": patches, "values": applied, "env": env}
+    return {"patches": patches, "values": applied, "env": codegen_env()}
 
 
 def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:

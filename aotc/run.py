@@ -32,8 +32,10 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
         inputs = make_inputs(manifest, n, seed=2)
         t = time.perf_counter()
         out = runner(*inputs)
-        entry: dict[str, Any] = {"seconds": time.perf_counter() - t,
-                                 "shape": list(out.shape)}
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        entry: dict[str, Any] = {"seconds": time.perf_counter() - t, "shape": list(out.shape),
+                                 "graph_size": runner.graphs.serves(n) if runner.graphs else None}
         if check_eager:
             with torch.no_grad():
                 want = runner.model(*inputs)
@@ -51,6 +53,8 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
         "compiles": after["inductor_compiles"] - before["inductor_compiles"]
         + after["compiles"] - before["compiles"],
         "sizes": per_size,
+        "fast_loads": after["fast_loads"] - before["fast_loads"],
+        "cudagraphs": None if runner.graphs is None else runner.graphs.report.to_json(),
     }
     if check_eager:
         report["max_abs_err"] = worst

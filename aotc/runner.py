@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from aotc.build import DTYPES
+from aotc.cudagraph import GraphSet, dummy_inputs
+from aotc.cudagraph import capture as capture_graphs
 from aotc.errors import InputError, LoadError
 from aotc.graphcode import GraphProgram
 from aotc.program import Program
@@ -22,9 +24,9 @@ Artifact = Callable[..., Sequence[torch.Tensor]]
 class _CompiledPiece:
     """Calls the artifact for the runner's current token count."""
 
-    def __init__(self, runner: Runner, uid: str, by_size: Mapping[int | None, Artifact],
+    def __init__(self, runner: Runner, name: str, uid: str, by_size: Mapping[int | None, Artifact],
                  returns_tuple: bool = True) -> None:
-        self.runner, self.uid, self.by_size = runner, uid, dict(by_size)
+        self.runner, self.name, self.uid, self.by_size = runner, name, uid, dict(by_size)
         self.returns_tuple = returns_tuple
         self.dynamic = self.by_size.get(None)
 
@@ -34,7 +36,8 @@ class _CompiledPiece:
         if fn is None:
             raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
                              f"(static sizes: {sorted(k for k in self.by_size if k)})")
-        out = fn(*args)
+        graphs = self.runner.graphs
+        out = fn(*args) if graphs is None else graphs.piece(self.name, fn, args)
         out = out if isinstance(out, (list, tuple)) else (out,)
         return out if self.returns_tuple else out[0]
 
@@ -71,13 +74,14 @@ class Runner:
         self.program, self.key, self.model = program, key, model
         self.timings = timings or Timings()
         self._local = threading.local()  # the token count of the call in flight, per thread
+        self.graphs: GraphSet | None = None  # CUDA graphs, once captured
         t0 = time.perf_counter()
         self._stitch = GraphProgram(program.stitch)
         self._modules: dict[str, Callable[..., Any]] = {}
         for p in program.pieces:
             if p.kind == "compiled":
-                self._modules[p.name] = _CompiledPiece(self, str(p.uid), artifacts[str(p.uid)],
-                                                       p.returns_tuple)
+                self._modules[p.name] = _CompiledPiece(self, p.name, str(p.uid),
+                                                       artifacts[str(p.uid)], p.returns_tuple)
             else:
                 self._modules[p.name] = _SplittingPiece(GraphProgram(p.graph or {"nodes": []}))
         self._bind(model)
@@ -147,8 +151,34 @@ class Runner:
                              f"{self.program.min_dynamic_tokens}; add {n} to compile_sizes")
         return n
 
+    def bound_tensors(self) -> list[torch.Tensor]:
+        """The model's parameters and buffers the program reads (fixed addresses)."""
+        return [t for t in self._bound if t is not None]
+
+    def dummy_inputs(self, n: int) -> list[torch.Tensor]:
+        """Zero inputs of ``n`` tokens (warm-up and graph capture)."""
+        return dummy_inputs(self.program.inputs, n, self.program.device)
+
+    def capture_graphs(self, mode: str, sizes: Sequence[int], graph_cls: type | None = None) -> None:
+        """Capture CUDA graphs (``aotc.cudagraph``: ``piecewise`` or ``full``) for ``sizes``;
+        later calls of up to the largest size replay them. ``none`` drops them."""
+        t0 = time.perf_counter()
+        self.graphs = None
+        kwargs = {} if graph_cls is None else {"graph_cls": graph_cls}
+        self.graphs = capture_graphs(self, mode, sizes, device=self.program.device, **kwargs)
+        self.timings.add("capture", time.perf_counter() - t0)
+
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         n = self.check_inputs(inputs)
+        c = self.graphs.serves(n) if self.graphs is not None else None
+        if c is not None:
+            with torch.no_grad():
+                return self.graphs.run(inputs, n, c)  # type: ignore[union-attr]
+        return self.run_at(inputs, n)
+
+    def run_at(self, inputs: Sequence[torch.Tensor], n: int) -> Any:
+        """Run the stitched program on checked inputs of ``n`` tokens (no graphs replayed unless
+        the graph set is replaying)."""
         self._local.tokens = n
         args = []
         for slot, bound in zip(self.program.slots, self._bound):

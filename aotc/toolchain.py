@@ -4,7 +4,7 @@ Inductor (1.2 s of the 1.7 s they cost to compute here).
 The memo is a JSON file under ``<store>/store-v1/toolchain/`` named by a fingerprint of every
 input the factors are derived from: interpreter, torch's install (version, path, mtimes of the
 files ``torch_key`` hashes change with), triton's install, the C++ compiler binary, the CPU's
-model and flags, TORCHINDUCTOR_* variables and the host. Any change gives a new fingerprint and
+model and flags, the code-changing TORCHINDUCTOR_* variables and the host. Any change gives a new fingerprint and
 the factors are computed afresh; a CUDA device's GPU fields are always read live.
 """
 
@@ -22,6 +22,16 @@ from pathlib import Path
 from typing import Any
 
 _GPU_FIELDS = ("gpu", "compute_capability", "cuda")
+# Variables of torch's compile stack that cannot change generated code: locations, threads, logs.
+_ENV_IGNORE = ("DIR", "PATH", "LOGPATH", "THREADS", "VERBOSE", "DEBUG", "TRACE", "LOG")
+
+
+def codegen_env() -> dict[str, str]:
+    """TORCHINDUCTOR_* / TORCH_COMPILE_* / TORCHDYNAMO_* variables that may change generated
+    code (all but locations such as TORCHINDUCTOR_CACHE_DIR, thread counts and logging)."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_"))
+            and not any(k.endswith(sfx) or f"_{sfx}_" in k for sfx in _ENV_IGNORE)}
 
 
 def _stat(path: str | None) -> list[Any]:
@@ -58,7 +68,7 @@ def fingerprint(device: str) -> str:
         "triton": _stat(triton.origin if triton else None),
         "cxx": [cxx, *_stat(shutil.which(cxx))],
         "cpu": _cpu_identity(),
-        "env": sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")),
+        "env": codegen_env(),  # not the cache dir: one memo serves every Inductor cache dir
         "host": socket.gethostname(),
         "device": device.split(":")[0],
     }

@@ -116,9 +116,14 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in report["phases"].items())
         click.echo(f"{report['name']}: warm start in {report['load_seconds']:.2f}s ({phases}); "
                    f"traces {report['traces']}, compiles {report['compiles']}")
+        g = report.get("cudagraphs")
+        if g:
+            click.echo(f"  CUDA graphs ({g['mode']}): {g['graphs']} captured for sizes "
+                       f"{g['sizes']} in {g['seconds']:.2f}s, pool {format_size(g['pool_bytes'])}")
         for n, e in report["sizes"].items():
             err = f", max abs err vs eager {e['max_abs_err']:.3g}" if "max_abs_err" in e else ""
-            click.echo(f"  {n:>5} tokens: {e['seconds'] * 1000:.1f} ms -> {e['shape']}{err}")
+            via = f" (graphs at {e['graph_size']})" if e.get("graph_size") else ""
+            click.echo(f"  {n:>5} tokens: {e['seconds'] * 1000:.1f} ms -> {e['shape']}{err}{via}")
     check_report(report)
 
 

@@ -3,7 +3,8 @@
 # torch 2.11 + CUDA, triton 3.6, no package registry). Installs aotc with --no-deps into a venv
 # that sees the system torch, plus the wheels carried in .whl/ (sqlite-utils, zstandard, ...),
 # then: the CUDA-marked tests and the torch-2.11 compatibility of the pipeline tests, and
-# toy-llama compiled for cuda and warm-started (eager vs aotc at 1, 8, 64 tokens).
+# toy-llama compiled for cuda and warm-started, and CUDA graph latency/capture/memory
+# (bench/cuda_graphs.py: eager vs aotc none / piecewise / full at 1, 8, 64 tokens).
 # Usage (device tool): bash scripts/gpu-check.sh   (writes logs and JSON under $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/aotc-gpu-out}
@@ -20,12 +21,13 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 
 echo "== tests (store, manifest, pipeline pieces incl. CUDA) =="
 # AOTC_GPU_TESTS narrows the run (e.g. "-m cuda tests/test_pipeline_pieces.py") when time is short
-TESTS=${AOTC_GPU_TESTS:-tests/test_store.py tests/test_manifest.py tests/test_pipeline_pieces.py}
+TESTS=${AOTC_GPU_TESTS:-tests/test_pipeline_pieces.py tests/test_wrapper.py tests/test_cudagraph.py tests/test_store.py}
 timeout 420 $PY -m pytest -q -x -s -p no:cacheprovider -p no:logging -p no:warnings $TESTS 2>&1 \
     | tee "$OUT/tests.log" | grep -vE "^DEBUG" | tail -25
 
 echo "== toy-llama on cuda: compile, then warm start in a fresh process =="
-sed 's/^device: cpu/device: cuda/' manifests/toy-llama.yaml > /tmp/toy-cuda.yaml
+sed -e 's/^device: cpu/device: cuda/' -e 's/^capture_sizes: .*/capture_sizes: [1, 2, 4, 8, 16, 32, 64]/' \
+    manifests/toy-llama.yaml > /tmp/toy-cuda.yaml
 STORE=/tmp/aotc-gpu-store
 t0=$(date +%s)
 timeout 300 $PY -m aotc.cli --store $STORE compile /tmp/toy-cuda.yaml -j ${AOTC_GPU_JOBS:-8} --json > "$OUT/compile.json" 2> "$OUT/compile.err"
@@ -44,3 +46,7 @@ for name in ("compile.json", "run.json"):
                                    "max_abs_err", "load_seconds", "phases", "sizes")}
     print(name, json.dumps(keep, indent=1)[:2500])
 PYEOF
+
+echo "== CUDA graphs: eager vs aotc none / piecewise / full at 1, 8, 64 tokens =="
+timeout 150 $PY bench/cuda_graphs.py /tmp/toy-cuda.yaml $STORE --sizes 1,8,64 > "$OUT/cuda_graphs.json" 2> "$OUT/cuda_graphs.err"
+echo "bench rc=$?"; tail -3 "$OUT/cuda_graphs.err"; cat "$OUT/cuda_graphs.json" | head -80
