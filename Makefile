@@ -1,4 +1,4 @@
-# aotc — make demo | make test | make bench | make lint
+# aotc — make demo | make test | make bench | make bench-quick | make lint
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The demo uses a store inside the checkout so it never touches ~/.cache.
 DEMO_STORE ?= $(CURDIR)/.aotc-store
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench bench-quick lint clean
 
 install: $(STAMP)
 
@@ -28,10 +28,14 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# Full side-by-side run (<= 20 min on 2 cores): writes bench/results/latest.{json,md}
 bench: install
 	$(PY) bench/store.py
-	$(PY) bench/compile.py
-	$(PY) bench/warm_start.py
+	$(PY) bench/sidebyside.py
+
+# <= 3 min: 2 layers, 1 compile size, one run per contender
+bench-quick: install
+	$(PY) bench/sidebyside.py --quick --out bench/results/quick
 
 lint: install
 	$(PY) -m compileall -q aotc cache cli bench tests

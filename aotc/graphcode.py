@@ -120,25 +120,37 @@ def _resolve_op(name: str) -> Callable[..., Any]:
         ) from e
 
 
-def _decode_arg(a: Any, env: Mapping[str, Any]) -> Any:
+_Getter = Callable[[Mapping[str, Any]], Any]
+
+
+def _compile_arg(a: Any) -> tuple[bool, _Getter]:
+    """``(constant, getter)``: a function of the environment that rebuilds the encoded argument
+    ``a`` (decoded once, here: the interpreter's per-call cost is then one call per node)."""
     if isinstance(a, dict):
         if "$node" in a:
-            return env[a["$node"]]
-        if "$tuple" in a:
-            return tuple(_decode_arg(x, env) for x in a["$tuple"])
+            key = a["$node"]
+            return False, lambda env: env[key]
+        for tag, build in (("$tuple", tuple), ("$slice", lambda xs: slice(*xs))):
+            if tag in a:
+                parts = [_compile_arg(x) for x in a[tag]]
+                if all(c for c, _ in parts):
+                    value = build([g({}) for _, g in parts])
+                    return True, lambda env: value
+                getters = [g for _, g in parts]
+                return False, lambda env: build([g(env) for g in getters])
         if "$dict" in a:
-            return {k: _decode_arg(v, env) for k, v in a["$dict"].items()}
-        if "$dtype" in a:
-            return getattr(torch, a["$dtype"])
-        if "$device" in a:
-            return torch.device(a["$device"])
-        if "$slice" in a:
-            return slice(*(_decode_arg(x, env) for x in a["$slice"]))
-        if "$memory_format" in a:
-            return getattr(torch, a["$memory_format"])
+            items = [(k, _compile_arg(v)[1]) for k, v in a["$dict"].items()]
+            return False, lambda env: {k: g(env) for k, g in items}
+        for tag, make in (("$dtype", lambda v: getattr(torch, v)), ("$device", torch.device),
+                          ("$memory_format", lambda v: getattr(torch, v))):
+            if tag in a:
+                value = make(a[tag])
+                return True, lambda env: value
     if isinstance(a, list):
-        return [_decode_arg(x, env) for x in a]
-    return a
+        parts = [_compile_arg(x) for x in a]
+        getters = [g for _, g in parts]
+        return all(c for c, _ in parts), lambda env: [g(env) for g in getters]
+    return True, lambda env: a
 
 
 class GraphProgram:
@@ -146,13 +158,13 @@ class GraphProgram:
 
     def __init__(self, encoded: Encoded) -> None:
         self.placeholders: list[str] = []
-        self.steps: list[tuple[str, str, Any, Any, Any]] = []  # (name, kind, fn/key, args, kwargs)
-        self.output: Any = None
+        self.steps: list[tuple[str, str, Any, _Getter, _Getter]] = []  # name, kind, fn, args, kwargs
+        self.output: _Getter = lambda env: None
         for n in encoded["nodes"]:
             if n["op"] == "placeholder":
                 self.placeholders.append(n["name"])
             elif n["op"] == "output":
-                self.output = n["args"]
+                self.output = _compile_arg(n["args"])[1]
             else:
                 kind, _, what = n["target"].partition(":")
                 fn: Any = what
@@ -160,20 +172,21 @@ class GraphProgram:
                     fn = _resolve_op(what)
                 elif kind == "fn":
                     fn = operator.getitem if what == "operator.getitem" else _resolve_fn(what)
-                self.steps.append((n["name"], kind, fn, n["args"], n["kwargs"]))
+                self.steps.append((n["name"], kind, fn, _compile_arg(n["args"])[1],
+                                   _compile_arg(n["kwargs"])[1]))
 
     def __call__(self, modules: Mapping[str, Callable[..., Any]], *args: Any) -> Any:
         if len(args) != len(self.placeholders):
             raise LoadError(f"graph takes {len(self.placeholders)} inputs, got {len(args)}")
         env: dict[str, Any] = dict(zip(self.placeholders, args))
         for name, kind, fn, a, k in self.steps:
-            args_ = _decode_arg(a, env)
-            kwargs = _decode_arg(k, env)
+            args_ = a(env)
+            kwargs = k(env)
             if kind == "mod":
                 env[name] = modules[fn](*args_, **kwargs)
             elif kind == "method":
                 env[name] = getattr(args_[0], fn)(*args_[1:], **kwargs)
             else:
                 env[name] = fn(*args_, **kwargs)
-        return _decode_arg(self.output, env)
+        return self.output(env)
 

@@ -1,0 +1,104 @@
+"""One contender's start, in a fresh interpreter (run by bench/sidebyside.py; not for direct use).
+
+    python bench/child.py CONFIG_JSON
+
+CONFIG: {"mode", "manifest", "store", "first_tokens", "steady_sizes", "steady_iters",
+"threads", "mega_save", "mega_load"}; mode is one of eager, tc-cold, tc-warm, tc-mega,
+aotc-cold, aotc-warm (the cache directories are set by the parent through the environment).
+Prints one JSON line: wall-clock time of the first output (``first_output_at``, time.time(), for
+the parent to subtract its spawn time), phase seconds, steady-state latencies, counters, peak RSS.
+"""
+
+from __future__ import annotations
+
+import time
+
+FIRST_LINE_AT = time.time()
+
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+
+def _counters() -> dict[str, int]:
+    out = {"dynamo_frames": 0, "inductor_compiles": 0}
+    if "torch._dynamo.utils" in sys.modules:
+        from torch._dynamo.utils import counters
+
+        out["dynamo_frames"] = int(counters["frames"].get("total", 0))
+        ind = counters["inductor"]
+        out["inductor_compiles"] = int(ind.get("fxgraph_cache_miss", 0) + ind.get("fxgraph_cache_bypass", 0))
+    if "aotc.counters" in sys.modules:
+        from aotc.counters import COUNTERS
+
+        out["aotc_traces"], out["aotc_compiles"] = COUNTERS["traces"], COUNTERS["compiles"]
+        out["inductor_compiles"] += COUNTERS["compiles"]  # standalone_compile is not counted there
+        out["dynamo_frames"] += COUNTERS["traces"]
+    return out
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(int(cfg["threads"]))
+    phases = {"import_torch": time.perf_counter() - t0}
+    from aotc.build import build_model, make_inputs
+    from aotc.manifest import load_manifest
+
+    m = load_manifest(cfg["manifest"])
+    t = time.perf_counter()
+    model = build_model(m)
+    phases["build_model"] = time.perf_counter() - t
+    x = make_inputs(m, int(cfg["first_tokens"]), seed=0)
+    mode = cfg["mode"]
+    t = time.perf_counter()
+    if mode == "eager":
+        fn = model
+    elif mode.startswith("tc-"):
+        if mode == "tc-mega":
+            torch.compiler.load_cache_artifacts(open(cfg["mega_load"], "rb").read())
+        fn = torch.compile(model, dynamic=True)
+    else:
+        import aotc
+
+        if mode == "aotc-cold":
+            aotc.compile(m, store=cfg["store"], force=True)
+            phases["aotc_compile"] = time.perf_counter() - t
+        t_load = time.perf_counter()
+        fn = aotc.load(m, model=model, store=cfg["store"])
+        phases["aotc_load"] = time.perf_counter() - t_load
+    phases["prepare"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with torch.no_grad():
+        y = fn(*x)
+    first_output_at = time.time()
+    phases["first_call"] = time.perf_counter() - t
+    at_first_output = _counters()
+    steady: dict[str, float] = {}
+    with torch.no_grad():
+        for n in cfg["steady_sizes"]:
+            xs = make_inputs(m, int(n), seed=1)
+            for _ in range(3):
+                fn(*xs)
+            times = []
+            for _ in range(int(cfg["steady_iters"])):
+                t = time.perf_counter()
+                fn(*xs)
+                times.append(time.perf_counter() - t)
+            steady[str(n)] = statistics.median(times) * 1000
+    if cfg.get("mega_save"):
+        data, _info = torch.compiler.save_cache_artifacts()
+        open(cfg["mega_save"], "wb").write(data)
+    print(json.dumps({
+        "mode": mode, "first_output_at": first_output_at, "first_line_at": FIRST_LINE_AT,
+        "phases": phases, "steady_ms": steady, "output_shape": list(y.shape),
+        "counters_first_output": at_first_output, "counters_end": _counters(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Ratios, targets and the markdown table of a bench/sidebyside.py run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAMES = {"eager": "eager", "tc-cold": "torch.compile cold", "tc-warm": "torch.compile warm",
+         "tc-mega": "torch.compile + Mega-Cache", "aotc-cold": "aotc cold",
+         "aotc-warm": "aotc warm"}
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def ratios_and_targets(results: dict[str, Any]) -> dict[str, Any]:
+    """The ratios the issue asks for and each target's met / not met (None: not measured)."""
+    c = results["contenders"]
+    eager = c["eager"]["ttfo_median"] if "eager" in c else None
+
+    def overhead(name: str) -> float | None:
+        if name not in c or eager is None:
+            return None
+        return c[name]["ttfo_median"] - eager
+
+    loader = c.get("aotc-warm", {}).get("phases", {}).get("aotc_load")
+    cold = results["cold_compile_s"]
+    main_key = f"{results['config']['layers']}L-{len(results['config']['compile_sizes'])}s"
+    steady = {}
+    if "aotc-warm" in c and "tc-warm" in c:
+        for n, ms in c["aotc-warm"]["steady_ms"].items():
+            steady[n] = _div(ms, c["tc-warm"]["steady_ms"].get(n))
+    scaling = _div(cold.get("32L-5s"), cold.get("2L-5s"))
+    ratios = {
+        "overhead_s": {k: overhead(k) for k in c},
+        "aotc_loader_s": loader,
+        "aotc_loader_over_cold_compile": _div(loader, cold.get(main_key)),
+        "aotc_warm_over_tc_warm_overhead": _div(overhead("aotc-warm"), overhead("tc-warm")),
+        "aotc_warm_over_mega_overhead": _div(overhead("aotc-warm"), overhead("tc-mega")),
+        "aotc_steady_over_tc_steady": steady,
+        "cold_compile_32L_over_2L": scaling,
+    }
+
+    def le(value: float | None, limit: float) -> bool | None:
+        return None if value is None else value <= limit
+
+    steady_vals = [v for v in steady.values() if v is not None]
+    targets = {
+        "aotc warm overhead <= 0.1x torch.compile warm overhead":
+            (ratios["aotc_warm_over_tc_warm_overhead"], le(ratios["aotc_warm_over_tc_warm_overhead"], 0.1)),
+        "aotc loader <= 0.02x aotc cold compile":
+            (ratios["aotc_loader_over_cold_compile"], le(ratios["aotc_loader_over_cold_compile"], 0.02)),
+        "aotc loader <= 0.3 s": (loader, le(loader, 0.3)),
+        "steady state <= 1.05x torch.compile at every size":
+            (max(steady_vals) if steady_vals else None,
+             le(max(steady_vals), 1.05) if steady_vals else None),
+        "cold compile 32 layers / 2 layers <= 1.2": (scaling, le(scaling, 1.2)),
+    }
+    return {"ratios": ratios, "targets": {k: {"value": v, "met": m} for k, (v, m) in targets.items()}}
+
+
+def _f(v: Any, spec: str = ".2f") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as a markdown document: machine, contender table, ratios, targets."""
+    m, cfg, c = results["machine"], results["config"], results["contenders"]
+    lines = [
+        f"### aotc side by side — {m['date']}",
+        "",
+        f"{m['cpu']}, {m['cores']} cores, {cfg['threads']} threads · torch {m['torch']} · "
+        f"Python {m['python']} · toy-llama {cfg['layers']} layers (hidden {cfg['hidden']}), "
+        f"compile sizes {cfg['compile_sizes']} · first input {cfg['first_tokens']} tokens · "
+        f"{cfg['runs']} fresh process(es) per contender",
+        "",
+        "| contender | time to first output s (min–max) | overhead vs eager s | prepare s | "
+        "first call s | peak RSS MB | " + " | ".join(f"steady {n} tok ms" for n in cfg["steady_sizes"])
+        + " | Inductor compiles | Dynamo frames |",
+        "|---|---|---|---|---|---|" + "---|" * len(cfg["steady_sizes"]) + "---|---|",
+    ]
+    over = results["ratios"]["overhead_s"]
+    for key, s in c.items():
+        steady = " | ".join(_f(s["steady_ms"].get(str(n)), ".3f") for n in cfg["steady_sizes"])
+        lines.append(
+            f"| {NAMES.get(key, key)} | {s['ttfo_median']:.2f} ({s['ttfo_min']:.2f}–{s['ttfo_max']:.2f}) "
+            f"| {_f(over.get(key))} | {s['phases'].get('prepare', 0):.2f} | "
+            f"{s['phases'].get('first_call', 0):.3f} | {s['peak_rss_mb']:.0f} | {steady} | "
+            f"{s['counters']['inductor_compiles']} | {s['counters']['dynamo_frames']} |")
+    r = results["ratios"]
+    lines += ["", "Cold compile (aotc, s): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in results["cold_compile_s"].items()), "",
+        "| ratio | value |", "|---|---|",
+        f"| aotc loader s (import aotc → runnable, excl. import torch and model build) | {_f(r['aotc_loader_s'], '.3f')} |",
+        f"| aotc loader / aotc cold compile | {_f(r['aotc_loader_over_cold_compile'], '.4f')} |",
+        f"| aotc warm overhead / torch.compile warm overhead | {_f(r['aotc_warm_over_tc_warm_overhead'], '.3f')} |",
+        f"| aotc warm overhead / Mega-Cache warm overhead | {_f(r['aotc_warm_over_mega_overhead'], '.3f')} |",
+    ]
+    for n, v in r["aotc_steady_over_tc_steady"].items():
+        lines.append(f"| aotc steady / torch.compile warm steady, {n} tokens | {_f(v, '.3f')} |")
+    lines += [f"| cold compile 32 layers / 2 layers | {_f(r['cold_compile_32L_over_2L'], '.3f')} |",
+              "", "| target | value | met |", "|---|---|---|"]
+    for name, t in results["targets"].items():
+        met = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
+        lines.append(f"| {name} | {_f(t['value'], '.3f')} | {met} |")
+    lines.append("")
+    return "\n".join(lines)
