@@ -1,6 +1,7 @@
 """The sqlite index of the store, kept with sqlite-utils (``sqlite-utils tables index.sqlite`` works).
 
 Tables:
+- ``signatures``: key, public_key (hex), signature (hex) — see ``aotc.trust``
 - ``entries``: key (pk), name, factors (JSON), metadata (JSON), created, last_used, hits, bad
 - ``blobs``: digest (pk), size (uncompressed), stored_size (compressed, on disk), created
 - ``entry_blobs``: (key, role) pk → digest
@@ -123,6 +124,11 @@ class Index:
                 "CREATE TABLE IF NOT EXISTS [meta] ([name] TEXT PRIMARY KEY, [value] TEXT)"
             )
             conn.execute(
+                "CREATE TABLE IF NOT EXISTS [signatures] ([key] TEXT NOT NULL, [public_key] TEXT"
+                " NOT NULL, [signature] TEXT NOT NULL, [time] FLOAT NOT NULL,"
+                " PRIMARY KEY ([key], [public_key]))"
+            )
+            conn.execute(
                 "INSERT OR IGNORE INTO [meta] ([name], [value]) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),
             )
@@ -162,7 +168,8 @@ class Index:
         with self._translate():
             return list(self.db.query(sql, params))
 
-    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> None:
-        """One autocommitted statement (used for accounting: hits, last use, events)."""
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> int:
+        """One autocommitted statement (used for accounting: hits, last use, events); returns
+        the number of rows it changed."""
         with self._translate():
-            self.conn.execute(sql, params)
+            return int(self.conn.execute(sql, params).rowcount)

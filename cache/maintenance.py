@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from aotc.cache import blobio
 from aotc.cache.humanize import format_size
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
-    DEFAULT_TMP_GRACE, EntryInfo, StoreScan, _blob_files, scan,
+    DEFAULT_MIN_IDLE, DEFAULT_TMP_GRACE, EntryInfo, StoreScan, _blob_files, scan,
 )
 
 if TYPE_CHECKING:
@@ -159,10 +159,12 @@ def _remove_unreferenced(store: Store, digests: Iterable[str]) -> int:
     return freed
 
 
-def delete_entries(store: Store, keys: Iterable[str]) -> int:
+def delete_entries(store: Store, keys: Iterable[str], idle_before: float | None = None) -> int:
     """Delete entries, then the blobs only they used; returns bytes freed. Two steps: the rows
     (one transaction, committed), then the files — a crash in between leaves orphans, never an
-    entry whose blobs are gone."""
+    entry whose blobs are gone. With ``idle_before`` (a time), an entry written or read after it
+    is kept: checked inside the write transaction, so a loader that has marked its entry used
+    (``Store.get``) before the deletion commits never loses its blobs mid-read."""
     keys = list(keys)
     if not keys:
         return 0
@@ -170,9 +172,15 @@ def delete_entries(store: Store, keys: Iterable[str]) -> int:
     digests: list[str] = []
     with store.index.write() as conn:
         for key in keys:
+            if idle_before is not None:
+                row = conn.execute("SELECT MAX(created, last_used) FROM entries WHERE key = ?",
+                                   (key,)).fetchone()
+                if row is not None and row[0] is not None and row[0] > idle_before:
+                    continue  # in use since the plan was made
             digests += [r[0] for r in conn.execute(
                 "SELECT digest FROM entry_blobs WHERE key = ?", (key,))]
             conn.execute("DELETE FROM entry_blobs WHERE key = ?", (key,))
+            conn.execute("DELETE FROM signatures WHERE key = ?", (key,))
             conn.execute("DELETE FROM entries WHERE key = ?", (key,))
             conn.execute("INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'delete', NULL)",
                          (now, key))
@@ -190,6 +198,7 @@ class GcPlan:
     expected_freed_size: int
     size_before: int
     max_size: int | None
+    min_idle: float = DEFAULT_MIN_IDLE
 
     @property
     def expected_freed_size_str(self) -> str:
@@ -197,7 +206,8 @@ class GcPlan:
 
     def execute(self) -> int:
         """Delete what the plan names; returns the bytes actually freed."""
-        freed = delete_entries(self.store, [e.key for e in self.entries])
+        freed = delete_entries(self.store, [e.key for e in self.entries],
+                               idle_before=time.time() - self.min_idle)
         freed += _remove_unreferenced(self.store, self.orphan_blobs)
         # blob rows whose file vanished and that nobody references
         rows = self.store.index.query("SELECT digest FROM blobs WHERE digest NOT IN"
@@ -216,13 +226,15 @@ class GcPlan:
         return {"entries": [e.to_json() for e in self.entries],
                 "orphan_blobs": list(self.orphan_blobs), "tmp_files": list(self.tmp_files),
                 "expected_freed_size": self.expected_freed_size, "size_before": self.size_before,
-                "max_size": self.max_size}
+                "max_size": self.max_size, "min_idle": self.min_idle}
 
 
-def plan_gc(store: Store, max_size: int | None = None,
-            tmp_grace: float = DEFAULT_TMP_GRACE) -> GcPlan:
+def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAULT_TMP_GRACE,
+            min_idle: float = DEFAULT_MIN_IDLE) -> GcPlan:
     """Plan a collection: orphan blobs, staging files older than ``tmp_grace`` seconds, and — when
-    the store exceeds ``max_size`` bytes on disk — least recently used entries until it fits."""
+    the store exceeds ``max_size`` bytes on disk — least recently used entries until it fits.
+    Entries written or read in the last ``min_idle`` seconds are never evicted (a loader may be
+    reading them; ``execute`` re-checks under the write lock), even if the store stays too big."""
     s = scan(store, tmp_grace=tmp_grace)
     files = _blob_files(store)
     sizes: dict[str, int] = {}
@@ -241,9 +253,12 @@ def plan_gc(store: Store, max_size: int | None = None,
             users.setdefault(r["digest"], set()).add(r["key"])
         remaining = s.size_on_disk - sum(sizes.get(d, 0) for d in s.orphan_blobs)
         gone: set[str] = set()
+        recent = time.time() - min_idle
         for entry in sorted(s.entries, key=lambda e: (e.last_used, e.created)):
             if remaining <= max_size:
                 break
+            if max(entry.last_used, entry.created) > recent:
+                continue
             gone.add(entry.key)
             victims.append(entry)
             for digest, keys in users.items():
@@ -253,7 +268,7 @@ def plan_gc(store: Store, max_size: int | None = None,
                     keys.clear()  # counted once
     return GcPlan(store=store, entries=tuple(victims), orphan_blobs=s.orphan_blobs,
                   tmp_files=s.stale_tmp_files, expected_freed_size=freed,
-                  size_before=s.size_on_disk, max_size=max_size)
+                  size_before=s.size_on_disk, max_size=max_size, min_idle=min_idle)
 
 
 def parse_size(text: str) -> int:

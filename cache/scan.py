@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from aotc.cache.store import Store
 
 DEFAULT_TMP_GRACE = 3600.0  # a staging file younger than this may belong to a live writer
+DEFAULT_MIN_IDLE = 300.0  # gc never evicts an entry written or read more recently than this
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class Store:
                             "INSERT INTO entry_blobs (key, role, digest) VALUES (?, ?, ?)",
                             (key, role, s.digest),
                         )
+                    conn.execute("DELETE FROM signatures WHERE key = ?", (key,))  # new content
                     conn.execute(
                         "INSERT OR REPLACE INTO entries (key, name, factors, metadata, created,"
                         " last_used, hits, bad) VALUES (?, ?, ?, ?, ?, ?, 0, NULL)",
@@ -231,11 +232,12 @@ class Store:
         except (TypeError, ValueError) as exc:
             self.mark_bad(key, f"index row is garbage ({exc})")
             raise CorruptedCacheError(key, "entry", "-" * 16, f"index row is garbage ({exc})") from exc
-        if record:
-            now = time.time()
-            self.index.execute(
-                "UPDATE entries SET hits = hits + 1, last_used = ? WHERE key = ?", (now, key)
+        if record:  # marks the entry in use: gc spares it (min_idle) from here on
+            changed = self.index.execute(
+                "UPDATE entries SET hits = hits + 1, last_used = ? WHERE key = ?", (time.time(), key)
             )
+            if not changed:  # evicted between the read above and this mark
+                raise CacheMiss(key)
             self._event(key, "hit", None)
         return entry
 
@@ -326,6 +328,28 @@ class Store:
         from aotc.cache.maintenance import delete_entries
 
         return delete_entries(self, [key])
+
+    # -- signatures (the cryptography is in aotc.trust; the store keeps the rows) -----------
+    def signing_payload(self, entry: Entry) -> bytes:
+        """The bytes a signature covers: the entry's record (key, name, factors, metadata) and
+        every blob's role and digest, as canonical JSON."""
+        record = {"format": 1, "key": entry.key, "name": entry.name, "factors": entry.factors,
+                  "metadata": entry.metadata,
+                  "blobs": {r: b.digest for r, b in sorted(entry.blobs.items())}}
+        return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+    def add_signature(self, key: str, public_key: str, signature: str) -> None:
+        """Record ``public_key``'s signature (hex) of entry ``key`` (replacing an older one)."""
+        with self.index.write() as conn:
+            if not conn.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone():
+                raise CacheMiss(key)
+            conn.execute("INSERT OR REPLACE INTO signatures (key, public_key, signature, time)"
+                         " VALUES (?, ?, ?, ?)", (key, public_key, signature, time.time()))
+
+    def signatures(self, key: str) -> dict[str, str]:
+        """The signatures recorded for ``key``: public key (hex) -> signature (hex)."""
+        return {r["public_key"]: r["signature"] for r in self.index.query(
+            "SELECT public_key, signature FROM signatures WHERE key = ?", (key,))}
 
     def keys(self) -> list[str]:
         """All entry keys, oldest first."""

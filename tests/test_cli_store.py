@@ -72,11 +72,14 @@ def test_verify_exit_codes_and_repair(tmp_path: Path) -> None:
 
 def test_gc_dry_run_then_real(tmp_path: Path) -> None:
     store = _fill(tmp_path)
-    res = run("--store", str(tmp_path), "gc", "--max-size", "400K", "--dry-run", "--json")
+    res = run("--store", str(tmp_path), "gc", "--max-size", "400K", "--dry-run", "--json",
+              "--min-idle", "0")
     plan = json.loads(res.output)
     assert plan["dry_run"] and len(plan["entries"]) == 1 and plan["expected_freed_size"] > 250_000
     assert len(store.keys()) == 2
-    res = run("--store", str(tmp_path), "gc", "--max-size", "400K")
+    res = run("--store", str(tmp_path), "gc", "--max-size", "400K")  # both entries just written
+    assert res.exit_code == 0 and "freed" in res.output and len(store.keys()) == 2
+    res = run("--store", str(tmp_path), "gc", "--max-size", "400K", "--min-idle", "0")
     assert res.exit_code == 0 and "freed" in res.output
     assert len(store.keys()) == 1
     res = run("--store", str(tmp_path), "gc", "--max-size", "ten gigs")

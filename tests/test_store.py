@@ -204,9 +204,9 @@ def test_gc_lru_by_last_use(store: Store) -> None:
         time.sleep(0.01)
     store.get(entries[0].key)  # e0 is now the most recently used
     total = scan(store).size_on_disk
-    plan = plan_gc(store, max_size=total - 1)
+    plan = plan_gc(store, max_size=total - 1, min_idle=0)
     assert [e.name for e in plan.entries] == ["e1"]
-    plan = plan_gc(store, max_size=total // 2 + 10)
+    plan = plan_gc(store, max_size=total // 2 + 10, min_idle=0)
     assert [e.name for e in plan.entries] == ["e1", "e2"]
     expected = plan.expected_freed_size
     assert store.keys() == [e.key for e in entries]  # planning deleted nothing
@@ -215,6 +215,35 @@ def test_gc_lru_by_last_use(store: Store) -> None:
     assert sorted(store.keys()) == sorted([entries[0].key, entries[3].key])
     assert scan(store).size_on_disk <= total // 2 + 10
     assert verify(store).ok
+
+
+def _backdate(store: Store, key_: str, seconds: float) -> None:
+    import sqlite3
+    import time
+
+    with sqlite3.connect(store.base / "index.sqlite") as conn:
+        conn.execute("UPDATE entries SET created = ?, last_used = ? WHERE key = ?",
+                     (time.time() - seconds, time.time() - seconds, key_))
+
+
+def test_gc_never_evicts_an_entry_in_use(store: Store) -> None:
+    """Entries written or read within min_idle are spared, and a read between planning and
+    executing (a loader marking its entry) is seen under the write lock."""
+    a = store.put(key("a"), "a", {"x": os.urandom(100_000)})
+    b = store.put(key("b"), "b", {"x": os.urandom(100_000)})
+    assert plan_gc(store, max_size=0).entries == ()  # both just written
+    _backdate(store, a.key, 3600)
+    assert [e.name for e in plan_gc(store, max_size=0).entries] == ["a"]
+    _backdate(store, b.key, 3600)
+    plan = plan_gc(store, max_size=0)
+    assert sorted(e.name for e in plan.entries) == ["a", "b"]
+    store.get(a.key)  # a loader marks a in use after the plan was made
+    plan.execute()
+    assert store.keys() == [a.key]
+    assert len(store.read_blob(store.get(a.key), "x")) == 100_000
+    assert verify(store).ok
+    plan_gc(store, max_size=0, min_idle=0).execute()
+    assert store.keys() == [] and verify(store).ok
 
 
 def test_gc_removes_stale_tmp_only_after_grace(store: Store) -> None:

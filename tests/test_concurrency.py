@@ -1,0 +1,44 @@
+"""Loaders and gc at once, in real processes: 8 `aotc run` while `aotc gc --max-size 0` runs
+repeatedly → every run succeeds (gc spares entries read in the last --min-idle seconds, and a
+run marks its entry before reading a byte); once idle, the same gc empties the store cleanly."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from aotc.cache import Store, verify
+from tests.conftest import PYTHON, python_env
+
+pytestmark = pytest.mark.slow
+
+
+def _aotc(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, "-m", "aotc.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=python_env())
+
+
+def test_eight_runs_while_gc_evicts_everything(compiled, tmp_path) -> None:
+    _tmp, store, results = compiled
+    root = tmp_path / "store"
+    shutil.copytree(store.root, root)  # its entries are as old as the session: gc may take them
+    manifest = str(results[2][0])
+    first = _aotc("--store", str(root), "run", manifest, "--sizes", "3")
+    assert first.wait(300) == 0, first.stderr.read()[-2000:] if first.stderr else ""
+    runs = [_aotc("--store", str(root), "run", manifest, "--sizes", "1,5,9") for _ in range(8)]
+    gcs = 0
+    while any(r.poll() is None for r in runs):
+        gc = _aotc("--store", str(root), "gc", "--max-size", "0", "--json")
+        assert gc.wait(120) == 0, gc.stderr.read()[-2000:] if gc.stderr else ""
+        gcs += 1
+    failed = [(r.returncode, r.stderr.read()[-500:]) for r in runs if r.returncode != 0]
+    print(f"8 runs alongside {gcs} gc passes: {8 - len(failed)} succeeded")
+    assert not failed and gcs >= 1
+    s = Store(root)
+    key = next(k for k in s.keys() if s.get(k, record=False).name == "toy-2")
+    assert verify(s).ok
+    done = _aotc("--store", str(root), "gc", "--max-size", "0", "--min-idle", "0")
+    assert done.wait(120) == 0
+    assert key not in s.keys() and s.keys() == [] and verify(s).ok
