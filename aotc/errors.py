@@ -61,6 +61,7 @@ class LoadError(AotcError):
 
 
 class InputError(AotcError):
-    """Inputs given to a Runner do not match the recorded input spec."""
+    """Inputs given to a Runner do not match the recorded input spec, or a command-line argument
+    (a key, a size) is not valid."""
 
     exit_code = 2

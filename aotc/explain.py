@@ -26,3 +26,33 @@ def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str,
     return {"hit": False, "key": None, "closest": res.closest.key, "differences": diffs,
             "summary": f"{m.name}: miss; closest entry {res.closest.key[:16]}… differs in "
                        f"{len(diffs)} factor(s) (stored -> current):"}
+
+
+def resolve_key(store: Store, text: str) -> str:
+    """A full stored key from a key or a unique prefix of one (>= 8 hex chars)."""
+    from aotc.errors import InputError
+
+    text = text.strip().lower()
+    if len(text) < 8 or any(c not in "0123456789abcdef" for c in text):
+        raise InputError(f"{text!r} is not a key: give a stored key or a prefix of >= 8 hex chars "
+                         "(`aotc inspect cache` lists them)")
+    found = [k for k in store.keys() if k.startswith(text)]
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)}"
+        raise InputError(f"{what} stored entries match {text!r} in {store.root}; "
+                         "`aotc inspect cache` lists the keys")
+    return found[0]
+
+
+def explain_keys(store: Store, key_a: str, key_b: str) -> dict[str, Any]:
+    """Every key factor that differs between two stored entries (A's value -> B's value)."""
+    from aotc.key import explain
+
+    a = store.get(resolve_key(store, key_a), record=False)
+    b = store.get(resolve_key(store, key_b), record=False)
+    diffs = explain(a.factors, b.factors)
+    return {"hit": None, "key": b.key, "closest": a.key,
+            "differences": [d.describe() for d in diffs],
+            "diff": [{"path": d.path, "a": d.stored, "b": d.current} for d in diffs],
+            "summary": f"{a.name} {a.key[:16]}… vs {b.name} {b.key[:16]}…: "
+                       + (f"{len(diffs)} factor(s) differ (A -> B):" if diffs else "same factors")}

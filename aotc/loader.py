@@ -25,6 +25,7 @@ from aotc.errors import LoadError
 from aotc.manifest import Manifest
 from aotc.program import PROGRAM_ROLE, Program
 from aotc.toolchain import machine_factors
+from aotc.trust import enforce, trust_policy
 from aotc.rehydrate import rehydrate
 from aotc.resolve import resolve
 from aotc.runner import Runner, Timings
@@ -61,11 +62,13 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
 
 def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
                options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
-               capture_sizes: Any = None) -> Runner:
+               capture_sizes: Any = None, trusted: frozenset[str] = frozenset()) -> Runner:
     """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
-    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's)."""
+    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). Under a trust policy
+    (``trusted`` public keys) the entry's signature is checked before any blob is read."""
     timings = timings or Timings()
     t = time.perf_counter()
+    enforce(store, entry, trusted)
     program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
     work = _workdir()
     kernel_root = work / "kernels"
@@ -91,22 +94,25 @@ def _use_fast_path() -> bool:
 
 
 def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,
-         device: str | None = None) -> Runner:
+         device: str | None = None, trust: Any = ()) -> Runner:
     """Warm-start a compiled model (see module doc).
 
     ``manifest_or_key``: a manifest (object or path) — the key is resolved for this machine — or
     a stored key (64 hex chars; then ``model`` is required). ``model``: the module whose
     parameters to bind (the server's own weights); built from the manifest when None.
-    ``device`` overrides the manifest's device. Raises ``CacheMiss`` naming the fix.
+    ``device`` overrides the manifest's device. ``trust``: public keys (hex) to require a
+    signature by, besides ``AOTC_TRUST_KEYS`` (``aotc.trust``). Raises ``CacheMiss`` naming the
+    fix, ``TrustError`` for an entry the policy refuses.
     """
     timings = Timings()
+    trusted = trust_policy(trust)
     if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
         if model is None:
             raise LoadError("loading by key needs `model=`: the module whose weights to bind")
         st = open_store(store)
         entry = st.get(manifest_or_key)
         options = entry.factors.get("inductor", {}).get("patches", {})
-        return load_entry(entry, st, model, timings, options=options)
+        return load_entry(entry, st, model, timings, options=options, trusted=trusted)
     manifest = as_manifest(manifest_or_key)
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)
@@ -117,4 +123,5 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
         model = build_model(manifest)
         timings.add("build model", time.perf_counter() - t)
     return load_entry(entry, st, model, timings, options=dict(manifest.inductor),
-                      cudagraph=manifest.cudagraph, capture_sizes=manifest.capture_sizes)
+                      cudagraph=manifest.cudagraph, capture_sizes=manifest.capture_sizes,
+                      trusted=trusted)

@@ -12,7 +12,7 @@ from aotc.errors import NumericMismatchError
 
 
 def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = None,
-                 check_eager: bool = False) -> dict[str, Any]:
+                 check_eager: bool = False, trust: Sequence[str] = ()) -> dict[str, Any]:
     """Load, run each size once, and report as a JSON-able dict (see ``aotc run --help``)."""
     import torch
 
@@ -24,7 +24,7 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
     manifest = as_manifest(manifest_path)
     before = counters_snapshot()
     t = time.perf_counter()
-    runner = load(manifest, store=store)
+    runner = load(manifest, store=store, trust=trust)
     load_seconds = time.perf_counter() - t
     per_size: dict[str, dict[str, Any]] = {}
     worst = 0.0

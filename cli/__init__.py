@@ -14,6 +14,7 @@ import click
 from aotc.cli.common import AppContext, run_guarded
 from aotc.cli.compile_commands import register as register_compile_commands
 from aotc.cli.store_commands import gc_command, inspect_group, verify_command
+from aotc.cli.trust_commands import keygen_command, sign_command
 
 __all__ = ["cli", "main"]
 
@@ -31,6 +32,8 @@ def cli(ctx: click.Context, store_path: str | None) -> None:
 cli.add_command(inspect_group)
 cli.add_command(verify_command)
 cli.add_command(gc_command)
+cli.add_command(keygen_command)
+cli.add_command(sign_command)
 
 register_compile_commands(cli)  # they import torch inside their callbacks only
 

@@ -63,18 +63,23 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
 
 
 @click.command("explain")
-@click.argument("manifest", type=click.Path(dir_okay=False))
+@click.argument("targets", nargs=-1, required=True, metavar="MANIFEST | KEY_A KEY_B")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.pass_context
 @guard
-def explain_command(ctx: click.Context, manifest: str, as_json: bool) -> None:
+def explain_command(ctx: click.Context, targets: tuple[str, ...], as_json: bool) -> None:
     """Say whether MANIFEST has an entry for this machine and, if not, which key factors differ
-    from the closest stored entry."""
-    from aotc.explain import explain_manifest
+    from the closest stored entry; with two stored keys (or unique prefixes), diff their factors."""
+    from aotc.explain import explain_keys, explain_manifest
     from aotc.manifest import load_manifest
 
-    m = load_manifest(manifest)
-    report = explain_manifest(m, store=_store_for(ctx, m))
+    if len(targets) == 2:
+        report = explain_keys(ctx.obj.store, *targets)
+    elif len(targets) == 1:
+        m = load_manifest(targets[0])
+        report = explain_manifest(m, store=_store_for(ctx, m))
+    else:
+        raise click.UsageError("give one MANIFEST, or two stored keys KEY_A KEY_B")
     if as_json:
         print_json(report)
         return
@@ -98,18 +103,20 @@ def _parse_sizes(ctx: click.Context, param: click.Parameter, value: str) -> list
 @click.option("--sizes", default="1,7,16,100", callback=_parse_sizes, show_default=True,
               help="Token counts to run.")
 @click.option("--check-eager", is_flag=True, help="Compare with the eager model; exit 1 above tolerance.")
+@click.option("--trust", multiple=True, metavar="PUBKEY",
+              help="Require a signature by this public key (hex or file); adds to AOTC_TRUST_KEYS.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.pass_context
 @guard
 def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager: bool,
-                as_json: bool) -> None:
+                trust: tuple[str, ...], as_json: bool) -> None:
     """Warm-start MANIFEST's compiled program in this process (no trace, no compile) and run it."""
     from aotc.manifest import load_manifest
     from aotc.run import check_report, run_manifest
 
     m = load_manifest(manifest)
     store = _store_for(ctx, m)
-    report = run_manifest(m, sizes, store=store, check_eager=check_eager)
+    report = run_manifest(m, sizes, store=store, check_eager=check_eager, trust=trust)
     if as_json:
         print_json(report)
     else:

@@ -56,15 +56,35 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
 
 @click.command("verify")
 @click.option("--repair", is_flag=True, help="Evict bad entries, orphan blobs and stale staging files.")
+@click.option("--signatures", is_flag=True,
+              help="Also report each entry's signature state; exit 1 if a trust policy is set "
+                   "and an entry is not signed by a trusted key.")
+@click.option("--trust", multiple=True, metavar="PUBKEY",
+              help="A trusted public key (hex or a file); adds to AOTC_TRUST_KEYS.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @pass_app
 @guard
-def verify_command(app: AppContext, repair: bool, as_json: bool) -> None:
+def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple[str, ...],
+                   as_json: bool) -> None:
     """Re-hash every blob; exit 1 when any entry is corrupt or missing a blob."""
     report = maintenance.verify(app.store, repair=repair)
+    sig_rows, untrusted = None, False
+    if signatures or trust:
+        from aotc.trust import signature_report, trust_policy
+
+        policy = trust_policy(trust)
+        sig_rows = signature_report(app.store, policy)
+        untrusted = bool(policy) and any(r["state"] != "trusted" for r in sig_rows)
     if as_json:
-        print_json(report.to_json())
+        out = report.to_json()
+        if sig_rows is not None:
+            out["signatures"] = sig_rows
+        print_json(out)
     else:
+        for r in sig_rows or []:
+            click.echo(f"{r['key'][:16]}… {r['name']}: {r['state']}"
+                       + (f" (signed by {', '.join(k[:16] + '…' for k in r['signers'])})"
+                          if r["signers"] else ""))
         for p in report.problems:
             click.echo(p.describe())
         state = "clean" if report.ok else f"{len(report.bad_keys)} bad entries"
@@ -75,7 +95,7 @@ def verify_command(app: AppContext, repair: bool, as_json: bool) -> None:
         )
         if not report.ok and not repair:
             echo_err("run `aotc verify --repair` to evict the bad entries (recompile them after)")
-    if not report.ok and not repair:
+    if (not report.ok and not repair) or untrusted:
         sys.exit(1)
 
 
@@ -85,17 +105,22 @@ def verify_command(app: AppContext, repair: bool, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Print what would be freed; delete nothing.")
 @click.option("--tmp-grace", default=maintenance.DEFAULT_TMP_GRACE, type=float, show_default=True,
               help="Seconds a staging file must be idle before it counts as garbage.")
+@click.option("--min-idle", default=maintenance.DEFAULT_MIN_IDLE, type=float, show_default=True,
+              help="Seconds since an entry was last written or read before it may be evicted "
+                   "(protects loaders reading it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @pass_app
 @guard
 def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: float,
-               as_json: bool) -> None:
+               min_idle: float, as_json: bool) -> None:
     """Remove orphan blobs, stale staging files and, with --max-size, the least recently used entries."""
     try:
         limit = None if max_size is None else maintenance.parse_size(max_size)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-size") from None
-    plan = maintenance.plan_gc(app.store, max_size=limit, tmp_grace=tmp_grace)
+    if min_idle < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--min-idle")
+    plan = maintenance.plan_gc(app.store, max_size=limit, tmp_grace=tmp_grace, min_idle=min_idle)
     freed = 0 if dry_run else plan.execute()
     if as_json:
         out = plan.to_json()

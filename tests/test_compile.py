@@ -104,6 +104,23 @@ def test_changed_manifest_misses_and_explain_names_the_field(compiled, tmp_path)
     assert "miss" in res.output and "manifest.compile_sizes" in res.output
 
 
+def test_explain_two_keys_diffs_their_factors(compiled) -> None:
+    _tmp, store, results = compiled
+    k2, k4 = results[2][1].key, results[4][1].key
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "explain", k2[:12], k4, "--json"],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert {"path": "manifest.model.kwargs.layers", "a": 2, "b": 4} in report["diff"]
+    assert all(not d["path"].startswith("toolchain.") for d in report["diff"])  # same machine
+    same = CliRunner().invoke(cli, ["--store", str(store.root), "explain", k2, k2])
+    assert same.exit_code == 0 and "same factors" in same.output
+    bad = CliRunner().invoke(cli, ["--store", str(store.root), "explain", "deadbeefdeadbeef", k2])
+    assert bad.exit_code == 2 and "no stored entries match 'deadbeefdeadbeef'" in bad.output
+    three = CliRunner().invoke(cli, ["--store", str(store.root), "explain", "a", "b", "c"])
+    assert three.exit_code == 2 and "KEY_A KEY_B" in three.output
+
+
 BAD_MODELS = [
     ("missing module", {"factory": "no_such_pkg.models:build"}, [], "model.factory"),
     ("missing function", {"factory": "aotc.models.toy_llama:nope"}, [], "model.factory"),
