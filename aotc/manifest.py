@@ -231,8 +231,52 @@ def _plain(v: Any) -> Any:
 # ---------------------------------------------------------------- YAML
 
 
+_MAX_ALIAS_EXPANSION = 100_000  # nodes a document may expand to through aliases (YAML bombs)
+
+
+def _check_aliases(root: yaml.Node) -> None:
+    """Refuse a node graph that aliases make cyclic, or expand (billion laughs) to more than
+    ``_MAX_ALIAS_EXPANSION`` nodes; iterative, linear in the distinct nodes."""
+    size: dict[int, int] = {}  # id(node) -> nodes once expanded
+    ancestors: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    distinct = 0
+
+    def children(n: yaml.Node) -> list[yaml.Node]:
+        if isinstance(n, yaml.MappingNode):
+            return [c for pair in n.value for c in pair]
+        return list(n.value) if isinstance(n, yaml.SequenceNode) else []
+
+    while stack:
+        node, done = stack.pop()
+        if done:
+            ancestors.discard(id(node))
+            size[id(node)] = 1 + sum(size[id(c)] for c in children(node))
+            if size[id(node)] > max(_MAX_ALIAS_EXPANSION, distinct):
+                raise yaml.composer.ComposerError(
+                    None, None, f"aliases expand to more than {_MAX_ALIAS_EXPANSION} values "
+                    "(a YAML bomb?); write the values out", node.start_mark)
+            continue
+        if id(node) in size:
+            continue
+        ancestors.add(id(node))
+        distinct += 1
+        stack.append((node, True))
+        for c in children(node):
+            if id(c) in ancestors:
+                raise yaml.composer.ComposerError(
+                    None, None, "recursive alias (an alias inside its own anchor)", c.start_mark)
+            stack.append((c, False))
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-4`` as a float and refuses duplicate keys."""
+    """SafeLoader that reads ``1e-4`` as a float, refuses duplicate keys, recursive aliases and
+    alias bombs."""
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _check_aliases(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -265,6 +309,12 @@ def _load_yaml(text: str, file: str) -> Any:
         raise ManifestError(file, where, f"invalid YAML: {problem}") from None
     except yaml.YAMLError as e:
         raise ManifestError(file, "", f"invalid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ManifestError(file, "", "invalid YAML: nested too deeply; flatten the document") from None
+    except ValueError as e:  # an impossible date (2024-13-45), an int of over 4300 digits
+        why = " ".join(str(e).split("; use sys.set_int_max_str_digits")[0].split())
+        raise ManifestError(file, "", f"invalid YAML: cannot read a value ({why}); "
+                                      "quote it if it is meant as a string") from None
 
 
 # ---------------------------------------------------------------- public entry points

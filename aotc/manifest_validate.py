@@ -113,6 +113,10 @@ def _json(v: Any, path: str) -> Any:
                          f"got {type(v).__name__} {_show(v)}")
 
 
+_MAX_TOKENS = 2**31 - 1  # a token count is a tensor dim; nothing real comes near int32's range
+_INT_RANGES = {"int64": (-2**63, 2**63 - 1), "int32": (-2**31, 2**31)}  # random fill: [low, high)
+
+
 def _resolve(base: Path, p: str) -> Path:
     return (base / os.path.expanduser(p)).resolve()
 
@@ -139,6 +143,9 @@ def validate(data: Any, base: Path) -> Manifest:
         "inductor", "cudagraph", "tolerance", "store"))
     name = _str(data["name"], "name", _NAME, "a name of letters, digits, '.', '_' or '-'")
     max_tokens = _int(data.get("max_tokens", 4096), "max_tokens", 1)
+    if max_tokens > _MAX_TOKENS:
+        raise Invalid("max_tokens", f"expected a positive int up to {_MAX_TOKENS} (2**31 - 1), "
+                                    f"got {max_tokens}")
     tol = data.get("tolerance", {})
     store = data.get("store")
     return Manifest(  # keyword arguments are checked in order: the first error in schema order wins
@@ -280,6 +287,10 @@ def _inputs(v: Any) -> tuple[InputSpec, ...]:
                 raise Invalid(f"{p}.high", f"required for a random {dtype} input: the exclusive "
                                             "upper bound (e.g. the vocab size)")
             high = _int(high, f"{p}.high")
+            lo, hi = _INT_RANGES[dtype]
+            for key, val in (("low", low), ("high", high)):
+                if not lo <= val <= hi:
+                    raise Invalid(f"{p}.{key}", f"expected an int in [{lo}, {hi}] for {dtype}, got {val}")
         if high is not None and high <= low:
             raise Invalid(f"{p}.high", f"expected a value greater than low ({low}), got {_show(high)}")
         specs.append(InputSpec(name, dtype, tuple(shape), fill, low, high))
