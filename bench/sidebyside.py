@@ -9,7 +9,7 @@ Every start is a fresh interpreter (bench/child.py) timed from its spawn to its 
 tensor, with the same model, weights, first input (7 tokens) and thread count. Contenders:
 eager; torch.compile cold (empty Inductor cache dir) and warm (the same dir, hot); torch.compile
 with Mega-Cache (artifacts saved by a cold run, loaded into an empty cache dir); aotc cold
-(compile into an empty store, then load) and warm (load from that store). Writes
+(``aotc compile -j THREADS`` into an empty store, then load) and warm (load from that store). Writes
 ``results/latest.json`` (machine, every raw figure) and ``results/latest.md`` (the table,
 ratios and targets, also printed).
 """
@@ -80,7 +80,8 @@ class Bench:
     def _cfg(self, mode: str, store: Path, **extra: Any) -> dict[str, Any]:
         return {"mode": mode, "manifest": str(self.manifest), "store": str(store),
                 "first_tokens": 7, "steady_sizes": self.steady_sizes,
-                "steady_iters": self.steady_iters, "threads": self.threads, **extra}
+                "steady_iters": self.steady_iters, "threads": self.threads,
+                "aotc_jobs": self.threads, **extra}  # `aotc compile -j`: Inductor's workers too
 
     def _env(self, inductor_dir: Path) -> dict[str, str]:
         return dict(self.base_env, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
