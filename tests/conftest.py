@@ -34,6 +34,17 @@ def python_env() -> dict[str, str]:
 PYTHON = sys.executable
 
 
+def copy_store(src: Path, dst: Path) -> None:
+    """Copy a store directory in a CHILD process: copying opens and closes the sqlite files, and
+    closing any descriptor of a file drops every POSIX lock this process holds on it — including
+    those of the store's live sqlite connections here (later writes then fail with "disk I/O
+    error"). A child's descriptors are its own."""
+    import subprocess
+
+    subprocess.run([PYTHON, "-c", "import shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2])",
+                    str(src), str(dst)], check=True, timeout=120)
+
+
 SIZES = [4]
 
 

@@ -4,13 +4,12 @@ run marks its entry before reading a byte); once idle, the same gc empties the s
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
 
 from aotc.cache import Store, verify
-from tests.conftest import PYTHON, python_env
+from tests.conftest import PYTHON, copy_store, python_env
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +22,7 @@ def _aotc(*args: str) -> subprocess.Popen:
 def test_eight_runs_while_gc_evicts_everything(compiled, tmp_path) -> None:
     _tmp, store, results = compiled
     root = tmp_path / "store"
-    shutil.copytree(store.root, root)  # its entries are as old as the session: gc may take them
+    copy_store(store.root, root)  # its entries are as old as the session: gc may take them
     manifest = str(results[2][0])
     first = _aotc("--store", str(root), "run", manifest, "--sizes", "3")
     assert first.wait(300) == 0, first.stderr.read()[-2000:] if first.stderr else ""

@@ -5,7 +5,6 @@ without one nothing changes; `aotc verify --signatures` reports each state."""
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
 
 import pytest
@@ -15,6 +14,7 @@ import aotc
 from aotc.cache import Store
 from aotc.cli import cli
 from aotc.trust import TrustError
+from tests.conftest import copy_store
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def signed(compiled, tmp_path):  # type: ignore[no-untyped-def]
     """A copy of the compiled store with the toy-2 entry signed by a fresh key."""
     _tmp, store, results = compiled
     root = tmp_path / "store"
-    shutil.copytree(store.root, root)
+    copy_store(store.root, root)
     key_file, other_file = tmp_path / "signing.key", tmp_path / "other.key"
     public = _cli("--store", str(root), "keygen", str(key_file)).output.strip()
     other = _cli("--store", str(root), "keygen", str(other_file)).output.strip()
