@@ -22,7 +22,9 @@ HEADER = "import torch\nfrom torch._inductor.async_compile import AsyncCompile\n
     ("def call(args):\n    torch._dynamo.reset()\n", "uses torch._dynamo"),
     ("from torch._inductor.select_algorithm import AlgorithmSelectorCache\n",
      "AlgorithmSelectorCache"),
-], ids=["runtime-import", "triton", "inductor-attr", "triton-kernel", "dynamo-in-call", "autotune"])
+    ("if True:\n    from torch._inductor.runtime import triton_heuristics\n", "triton_heuristics"),
+], ids=["runtime-import", "triton", "inductor-attr", "triton-kernel", "dynamo-in-call", "autotune",
+        "import-under-other-if"])
 def test_wrappers_needing_more_of_inductor_are_refused(body, reason) -> None:
     with pytest.raises(wrapper.Unsupported, match=reason):
         wrapper._check_ast(HEADER + body)
