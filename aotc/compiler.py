@@ -153,7 +153,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             stitch=encode_graph(parts.stitch),
             pieces=tuple(
                 PieceRecord(p.name, "compiled", uid=uid_of[p.name],
-                            returns_tuple=_returns_tuple(p.gm)) if not p.is_splitting else
+                            returns_tuple=inductor._graph_returns_tuple(p.gm)) if not p.is_splitting else
                 PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=_op_of(p.gm, manifest))
                 for p in parts.pieces),
             artifacts=tuple(artifacts), kernel_roles=kernel_roles,
@@ -225,11 +225,6 @@ def _merge_kernels(c: inductor.CompiledPiece, root: Path, seen: set[str]) -> Non
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(c.kernel_root / rel, dst)
             seen.add(rel)
-
-
-def _returns_tuple(gm: Any) -> bool:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return isinstance(out.args[0], (tuple, list))
 
 
 def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:
