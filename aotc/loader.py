@@ -49,6 +49,8 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
     timings.add("resolve", time.perf_counter() - t)
     if res.entry is not None:
         return res.entry
+    if res.corrupt is not None:  # the entry for this machine exists but is damaged: say that
+        raise res.corrupt
     where = manifest.path or manifest.name
     why = ""
     if res.diffs:

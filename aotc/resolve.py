@@ -122,6 +122,7 @@ class Resolution:
     entry: Entry | None
     closest: Entry | None = None
     diffs: tuple[FactorDiff, ...] = ()
+    corrupt: CorruptedCacheError | None = None  # a same-probe entry found damaged on the way
 
     @property
     def hit(self) -> bool:
@@ -133,9 +134,10 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
     ``machine`` is ``aotc.toolchain.machine_factors(...)``."""
     base = base_factors(manifest, machine)
     probe = compute_key(base)
-    rows = store.index.query(
-        "SELECT key, metadata FROM entries WHERE bad IS NULL ORDER BY created DESC")
+    rows = store.index.query(  # bad entries too: get() raises for them, so a lookup says why
+        "SELECT key, metadata FROM entries ORDER BY created DESC")
     candidates = []
+    corrupt: CorruptedCacheError | None = None
     for row in rows:
         try:  # parsed here, not with json_extract: one garbage row must not break every lookup
             meta = json.loads(row["metadata"])
@@ -145,7 +147,10 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
             continue
         try:
             candidates.append(store.get(row["key"], record=False))
-        except (CacheMiss, CorruptedCacheError):  # gone, or bad: not a hit (verify reports it)
+        except CacheMiss:  # evicted meanwhile
+            continue
+        except CorruptedCacheError as exc:  # damaged (now marked bad): not a hit; kept to report
+            corrupt = corrupt or exc
             continue
     newest_miss: tuple[Entry, tuple[FactorDiff, ...]] | None = None
     for cand in candidates:  # every candidate: servers on older code may share a store
@@ -161,7 +166,7 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
         cand, diffs = newest_miss
         if record:
             store.record_miss(cand.key, "; ".join(d.describe() for d in diffs)[:500])
-        return Resolution(probe, None, cand, diffs)
+        return Resolution(probe, None, cand, diffs, corrupt)
     # No entry with the same probe: diff against the newest entry of the same name, if any.
     same_name = store.index.query(
         "SELECT key FROM entries WHERE name = ? ORDER BY created DESC LIMIT 1", (manifest.name,))
@@ -176,4 +181,4 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
             closest = None
     if record:
         store.record_miss(probe, manifest.name)
-    return Resolution(probe, None, closest, diffs)
+    return Resolution(probe, None, closest, diffs, corrupt)

@@ -1,19 +1,21 @@
 """The content-addressed artifact store (import name ``aotc.cache``). Never imports torch."""
 
-from aotc.cache.errors import AotcError, CacheMiss, CorruptedCacheError, StoreError, StoreLockedError
+from aotc.cache.errors import (
+    AotcError, CacheMiss, CorruptedCacheError, CorruptedIndexError, StoreError, StoreLockedError,
+)
 from aotc.cache.store import Entry, Store, default_store_path
 
 __all__ = [
-    "AotcError", "CacheMiss", "CorruptedCacheError", "StoreError", "StoreLockedError",
+    "AotcError", "CacheMiss", "CorruptedCacheError", "CorruptedIndexError", "StoreError", "StoreLockedError",
     "Entry", "Store", "default_store_path",
 ]
 
 from aotc.cache.maintenance import (  # noqa: E402
     EntryInfo, GcPlan, Problem, StoreScan, VerifyReport, delete_entries, parse_size, plan_gc, scan,
-    verify,
+    verify, verify_at,
 )
 
 __all__ += [
     "EntryInfo", "GcPlan", "Problem", "StoreScan", "VerifyReport", "delete_entries", "parse_size",
-    "plan_gc", "scan", "verify",
+    "plan_gc", "scan", "verify", "verify_at",
 ]

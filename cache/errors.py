@@ -34,6 +34,19 @@ class CorruptedCacheError(StoreError):
         )
 
 
+class CorruptedIndexError(CorruptedCacheError):
+    """The store's sqlite index itself is damaged (truncated, overwritten): no entry can be trusted."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.key, self.role, self.digest, self.problem = "", "index", "", problem
+        self.path = path
+        StoreError.__init__(
+            self,
+            f"store index {path} is corrupt ({problem}); run `aotc verify --repair` to set it "
+            "aside and start an empty index (its entries are lost: recompile them)",
+        )
+
+
 class StoreLockedError(StoreError):
     """The sqlite index stayed locked by another process beyond the busy timeout."""
 

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import sqlite_utils
 
-from aotc.cache.errors import StoreError, StoreLockedError
+from aotc.cache.errors import CorruptedIndexError, StoreError, StoreLockedError
 
 SCHEMA_VERSION = 1
 
@@ -40,8 +40,12 @@ class Index:
         self.path = path
         self.busy_timeout = busy_timeout
         self._local = threading.local()
-        with self._translate():
-            self._create_schema()
+        try:
+            with self._translate():
+                self._create_schema()
+        except BaseException:
+            self.close()  # a failed open must not keep a connection (and its locks) alive
+            raise
 
     # -- connection -------------------------------------------------------------------------
     @property
@@ -82,11 +86,8 @@ class Index:
             if _is_locked(exc):
                 raise StoreLockedError(str(self.path), self.busy_timeout) from exc
             raise StoreError(f"store index {self.path}: {exc}; run `aotc verify`") from exc
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(
-                f"store index {self.path} is not a usable sqlite database ({exc}); "
-                "move it away and run `aotc verify --repair` to rebuild an empty index"
-            ) from exc
+        except sqlite3.DatabaseError as exc:  # malformed image, not a database: the file is damaged
+            raise CorruptedIndexError(str(self.path), str(exc)) from exc
 
     def _create_schema(self) -> None:
         db = self.db

@@ -8,12 +8,14 @@ while scanning are collected as warnings, never raised. Deletion is a plan with
 from __future__ import annotations
 
 import json
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from aotc.cache import blobio
+from aotc.cache.errors import CorruptedIndexError
 from aotc.cache.humanize import format_size
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
     DEFAULT_MIN_IDLE, DEFAULT_TMP_GRACE, EntryInfo, StoreScan, _blob_files, scan,
@@ -30,7 +32,7 @@ class Problem:
     name: str | None
     role: str | None
     digest: str | None
-    kind: str  # corrupt | missing | garbage-row | marked-bad | orphan
+    kind: str  # corrupt | missing | garbage-row | marked-bad | orphan | index-corrupt
     detail: str
 
     def describe(self) -> str:
@@ -54,16 +56,17 @@ class VerifyReport:
     bad_keys: tuple[str, ...]
     repaired: bool = False
     freed: int = 0
+    index_problem: str | None = None  # the index file itself was damaged (see verify_at)
 
     @property
     def ok(self) -> bool:
-        return not self.bad_keys
+        return not self.bad_keys and (self.index_problem is None or self.repaired)
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "entries_checked": self.entries_checked,
                 "blobs_checked": self.blobs_checked, "bytes_checked": self.bytes_checked,
                 "problems": [p.to_json() for p in self.problems], "bad_keys": list(self.bad_keys),
-                "repaired": self.repaired, "freed": self.freed}
+                "repaired": self.repaired, "freed": self.freed, "index_problem": self.index_problem}
 
 
 def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GRACE) -> VerifyReport:
@@ -134,6 +137,43 @@ def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GR
         entries_checked=len(entries), blobs_checked=len(checked), bytes_checked=nbytes,
         problems=tuple(problems), bad_keys=tuple(sorted(bad)), repaired=repair, freed=freed,
     )
+
+
+def verify_at(root: str | os.PathLike[str], repair: bool = False,
+              tmp_grace: float = DEFAULT_TMP_GRACE) -> VerifyReport:
+    """``verify`` for the store at ``root``, including a damaged index file: then the report
+    carries ``index_problem`` (and is not ok); with ``repair`` the damaged index is renamed to
+    ``index.sqlite.corrupt-<time>`` (kept for forensics), an empty one takes its place and the
+    blobs nobody refers to any more are collected."""
+    from aotc.cache.store import Store
+
+    try:
+        store = Store(root)
+    except CorruptedIndexError as exc:
+        if not repair:
+            problem = Problem(None, None, None, None, "index-corrupt", exc.problem)
+            return VerifyReport(0, 0, 0, (problem,), (), index_problem=exc.problem)
+        aside = _set_index_aside(Path(exc.path))
+        store = Store(root)
+        report = verify(store, repair=True, tmp_grace=tmp_grace)
+        store.close()
+        problem = Problem(None, None, None, None, "index-corrupt",
+                          f"{exc.problem}; set aside as {aside.name}, started an empty index")
+        return replace(report, problems=(problem, *report.problems), index_problem=exc.problem)
+    try:
+        return verify(store, repair=repair, tmp_grace=tmp_grace)
+    finally:
+        store.close()
+
+
+def _set_index_aside(index: Path) -> Path:
+    aside = index.with_name(f"{index.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    os.replace(index, aside)
+    for suffix in ("-wal", "-shm"):  # a WAL of a broken image is not replayed onto a fresh one
+        side = index.with_name(index.name + suffix)
+        if side.exists():
+            os.replace(side, aside.with_name(aside.name + suffix))
+    return aside
 
 
 def _remove_unreferenced(store: Store, digests: Iterable[str]) -> int:

@@ -67,9 +67,9 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
 def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple[str, ...],
                    as_json: bool) -> None:
     """Re-hash every blob; exit 1 when any entry is corrupt or missing a blob."""
-    report = maintenance.verify(app.store, repair=repair)
+    report = maintenance.verify_at(app.store_path, repair=repair)
     sig_rows, untrusted = None, False
-    if signatures or trust:
+    if (signatures or trust) and (report.index_problem is None or repair):
         from aotc.trust import signature_report, trust_policy
 
         policy = trust_policy(trust)
@@ -87,7 +87,8 @@ def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple
                           if r["signers"] else ""))
         for p in report.problems:
             click.echo(p.describe())
-        state = "clean" if report.ok else f"{len(report.bad_keys)} bad entries"
+        state = ("clean" if report.ok else "the index file is damaged" if report.index_problem
+                 and not repair else f"{len(report.bad_keys)} bad entries")
         click.echo(
             f"verified {report.entries_checked} entries, {report.blobs_checked} blobs, "
             f"{format_size(report.bytes_checked)}: {state}"
