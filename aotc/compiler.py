@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc import inductor
+from aotc.cache import workdirs
 from aotc.build import make_inputs
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.graphcode import encode_graph
@@ -24,7 +25,7 @@ from aotc.manifest import Manifest
 from aotc.stores import as_manifest, open_store
 from aotc.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
 from aotc.progress import Progress
-from aotc.toolchain import machine_factors
+from aotc.toolchain import fingerprint, machine_factors
 from aotc.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runner import Runner
 from aotc.rehydrate import rehydrate
@@ -50,13 +51,14 @@ class CompileResult:
     numerics: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     store: str = ""
+    resumed: int = 0  # piece compiles taken from an interrupted compile of the same key
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "hit": self.hit, "pieces": self.pieces,
                 "unique_pieces": self.unique_pieces, "compiles": self.compiles,
                 "traces": self.traces, "seconds": self.seconds, "bytes_stored": self.bytes_stored,
                 "max_abs_err": self.max_abs_err, "numerics": self.numerics,
-                "warnings": list(self.warnings), "store": self.store}
+                "warnings": list(self.warnings), "store": self.store, "resumed": self.resumed}
 
 
 def check_sizes(manifest: Manifest) -> list[int]:
@@ -108,6 +110,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
     base = base_factors(manifest, toolchain)
+    inductor.keep_isa_probes(store.base / "toolchain" / f"isa-{fingerprint(manifest.device)[:32]}")
     if not force:
         found = resolve(manifest, store, toolchain, record=False)
         if found.entry is not None:
@@ -129,17 +132,20 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     if captured.dynamic == "static":
         shapes = list(manifest.compile_sizes) or [None]
     t = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="aotc-compile-") as tmp:
-        work = Path(tmp)
-        kernel_root = work / "kernels"
+    code = {**dict(captured.source_files), **factory_source(manifest)}
+    factors = full_factors(base, code)
+    key = compute_key(factors)
+    # finished pieces are kept per key in the store's work directory: a killed compile resumes
+    with workdirs.claim(store.tmp_dir, key[:32]) as claimed, \
+            tempfile.TemporaryDirectory(prefix="run-", dir=claimed.path) as tmp:
+        kernel_root = Path(tmp) / "kernels"
         tasks = [(uid, size) for uid in first_of for size in shapes]
-        compiled = compile_tasks(manifest, first_of, tasks, work, progress, jobs=jobs)
+        compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs)
         kernel_files: set[str] = set()
         for c in compiled.values():
             _merge_kernels(c, kernel_root, kernel_files)
         seconds["compile"] = time.perf_counter() - t
 
-        code = {**dict(captured.source_files), **factory_source(manifest)}
         progress.phase("check", "reload artifacts, compare with eager")
         t = time.perf_counter()
         artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}",
@@ -171,13 +177,11 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         seconds["check"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        factors = full_factors(base, code)
-        key = compute_key(factors)
         blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json()}
         blobs.update(files)
         for rel, role in kernel_roles.items():
             blobs[role] = kernel_root / rel
-        n_compiles = len(compiled)
+        n_compiles = sum(not c.reused for c in compiled.values())
         metadata = {
             "probe": compute_key(base), "pieces": len(parts.pieces), "unique_pieces": len(first_of),
             "compiles": n_compiles, "shapes": ["dynamic" if s is None else str(s) for s in shapes],
@@ -186,13 +190,14 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         }
         entry = store.put(key, manifest.name, blobs, factors=factors, metadata=metadata)
         seconds["store"] = time.perf_counter() - t
+        claimed.finished()  # stored: the checkpoints go (unless another compile still uses them)
     progress.phase("stored", f"key {key[:16]}… ({entry.stored_size} bytes in {len(entry.blobs)} blobs)")
     return CompileResult(
         key=key, name=manifest.name, hit=False, pieces=len(parts.pieces),
         unique_pieces=len(first_of), compiles=n_compiles, traces=1,
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
-        store=str(store.root))
+        store=str(store.root), resumed=sum(c.reused for c in compiled.values()))
 
 
 def _wrapper_role(c: inductor.CompiledPiece, uid: str, size: int | None,

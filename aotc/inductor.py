@@ -65,6 +65,10 @@ def _isa_probe_files() -> dict[str, Path]:
     (hence shipped with every piece). Empty if the probe cannot run.
     """
     if "files" not in _probe:
+        kept: Path | None = _probe.get("keep")
+        if kept is not None and kept.is_dir():  # built by an earlier process on this toolchain
+            _probe["files"] = {rel: kept / rel for rel in _kernel_files(kept)}
+            return _probe["files"]
         tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
         _probe["dir"] = tmp  # lives as long as the process
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp.name)
@@ -76,7 +80,33 @@ def _isa_probe_files() -> dict[str, Path]:
             _probe["files"] = {rel: root / rel for rel in _kernel_files(root)}
         except (OSError, subprocess.SubprocessError):
             _probe["files"] = {}
+        if kept is not None and _probe["files"]:
+            _keep_probes(Path(tmp.name), kept)
     return _probe["files"]
+
+
+def keep_isa_probes(directory: Path) -> None:
+    """Keep the ISA probe libraries in ``directory`` (per toolchain fingerprint, so any change of
+    compiler, torch or CPU gives another) and reuse them in later processes: the probe compiles
+    several programs (5-8 s on 2 cores) on every compile otherwise."""
+    _probe["keep"] = Path(directory)
+
+
+def kept_isa_probes() -> Path | None:
+    """Where ``keep_isa_probes`` keeps them in this process (None: not kept)."""
+    return _probe.get("keep")
+
+
+def _keep_probes(src: Path, dest: Path) -> None:
+    partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        for rel in _kernel_files(src):
+            (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / rel, partial / rel)
+        os.rename(partial, dest)  # whole or not at all; a concurrent process may win: fine
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +127,7 @@ class CompiledPiece:
     seconds: float
     wrapper: Path | None = None  # the fast-path record (aotc.wrapper), when the piece qualifies
     wrapper_note: str = ""  # why it does not
+    reused: bool = False  # found finished in the compile's work directory (a resumed compile)
 
 
 def _sc_module() -> Any:
@@ -272,13 +303,15 @@ def compile_piece(
     size: int | None,
     out_dir: Path,
     options: dict[str, Any] | None = None,
+    tmp_root: Path | None = None,
 ) -> CompiledPiece:
     """Compile one piece with Inductor and save it under ``out_dir``.
 
     ``size=None``: dynamic (``dynamic_shapes="from_graph"``, symbolic fake inputs); an int:
     static for that token count (real inputs of that size, ``"from_example_inputs"``).
     ``options``: Inductor config patches. Writes ``out_dir/artifact.bin`` and the kernel files
-    under ``out_dir/kernels/``; raises :class:`CompileError` on any failure.
+    under ``out_dir/kernels/``; raises :class:`CompileError` on any failure. Inductor's scratch
+    cache dir is made under ``tmp_root`` (default: the system's temp dir).
     """
     import time
 
@@ -293,7 +326,7 @@ def compile_piece(
     key = piece_cache_key(gm, inputs, dynamic, options=options)
     t0 = time.perf_counter()
     probes = _isa_probe_files()
-    with tempfile.TemporaryDirectory(prefix="aotc-inductor-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="aotc-inductor-", dir=tmp_root) as tmp:
         for rel, src in probes.items():  # seed: the ISA check at compile and load finds them
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, Path(tmp) / rel)

@@ -1,5 +1,12 @@
 """Compile (unique piece, shape) tasks, in this process or spread over worker processes (``-j N``).
 
+Each finished task is a directory ``<work>/<uid>-<size>/`` (``done.json`` + artifact, fast-path
+record and kernels), built under a private ``.partial`` name and renamed into place whole, so a
+compile killed at any point leaves only complete results — which the next compile of the same key
+reuses instead of compiling again (``work`` is the store's per-key work directory). Concurrent
+compiles of one key take a task's lock (``flock``, released by the kernel if its holder dies)
+before building it, so each task is built once and the others reuse it.
+
 A worker cannot be handed a piece (its graph carries fake tensors with symbolic sizes, which do
 not cross processes), so each worker rebuilds the model and re-traces it — deterministic, a few
 seconds — then compiles its share and reports each artifact as one JSON line on stdout. The
@@ -8,12 +15,16 @@ parent compiles a share itself meanwhile. Ids must agree: both sides use ``aotc.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +42,67 @@ def _out_dir(work: Path, uid: str, size: int | None) -> Path:
     return work / f"{uid}-{size or 'dyn'}"
 
 
+def _reuse(work: Path, uid: str, size: int | None) -> inductor.CompiledPiece | None:
+    """The finished result of a task in ``work``, if a previous or concurrent compile left one."""
+    out = _out_dir(work, uid, size)
+    try:
+        d = json.loads((out / "done.json").read_text())
+        c = inductor.CompiledPiece(
+            out / d["artifact"], out / "kernels", tuple(d["kernel_files"]), d["size"], d["key"],
+            float(d["seconds"]), None if d["wrapper"] is None else out / d["wrapper"],
+            str(d["wrapper_note"]), reused=True)
+        needed = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
+        if c.wrapper is not None:
+            needed.append(c.wrapper)
+        if not all(p.is_file() for p in needed):
+            raise ValueError("a file it lists is missing")
+        return c
+    except FileNotFoundError:
+        if out.exists():  # no done.json: not ours to trust
+            shutil.rmtree(out, ignore_errors=True)
+        return None
+    except (OSError, ValueError, KeyError, TypeError):  # damaged: compile it again
+        shutil.rmtree(out, ignore_errors=True)
+        return None
+
+
+def _compile_into(work: Path, uid: str, piece: Piece, size: int | None,
+                  options: dict[str, Any]) -> inductor.CompiledPiece:
+    """Compile one task into a private directory, then rename it into place (or take the result
+    a concurrent compile put there first)."""
+    out = _out_dir(work, uid, size)
+    lock = os.open(work / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent compile of this key on it: wait, reuse
+        found = _reuse(work, uid, size)
+        if found is not None:
+            return found
+        return _build(work, out, uid, piece, size, options)
+    finally:
+        os.close(lock)
+
+
+def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
+           options: dict[str, Any]) -> inductor.CompiledPiece:
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=work))
+    c = inductor.compile_piece(piece.gm, list(piece.example_inputs), size, partial / "result",
+                               options, tmp_root=partial)
+    result = partial / "result"
+    done = {"uid": uid, "size": size, "artifact": c.artifact.name, "kernel_files": list(c.kernel_files),
+            "key": c.key, "seconds": c.seconds,
+            "wrapper": None if c.wrapper is None else c.wrapper.name, "wrapper_note": c.wrapper_note}
+    (result / "done.json").write_text(json.dumps(done))
+    try:
+        os.rename(result, out)
+    except OSError:  # a concurrent compile finished it first: same key, same result
+        pass
+    shutil.rmtree(partial, ignore_errors=True)
+    found = _reuse(work, uid, size)
+    if found is None:
+        raise CompileError(f"compiled piece {uid} vanished from {work} (removed by gc?); compile again")
+    return replace(found, reused=False, seconds=c.seconds)
+
+
 def _label(uid: str, size: int | None) -> str:
     return f"piece {uid[:8]} {'dynamic' if size is None else f'{size} tokens'}"
 
@@ -40,7 +112,7 @@ def _to_json(uid: str, c: inductor.CompiledPiece) -> str:
                        "kernel_root": str(c.kernel_root), "kernel_files": list(c.kernel_files),
                        "key": c.key, "seconds": c.seconds,
                        "wrapper": None if c.wrapper is None else str(c.wrapper),
-                       "wrapper_note": c.wrapper_note})
+                       "wrapper_note": c.wrapper_note, "reused": c.reused})
 
 
 def _from_json(line: str) -> tuple[Task, inductor.CompiledPiece]:
@@ -48,7 +120,7 @@ def _from_json(line: str) -> tuple[Task, inductor.CompiledPiece]:
     return (d["uid"], d["size"]), inductor.CompiledPiece(
         Path(d["artifact"]), Path(d["kernel_root"]), tuple(d["kernel_files"]), d["size"], d["key"],
         float(d["seconds"]), None if d.get("wrapper") is None else Path(d["wrapper"]),
-        str(d.get("wrapper_note", "")))
+        str(d.get("wrapper_note", "")), bool(d.get("reused", False)))
 
 
 def compile_tasks(manifest: Manifest, first_of: dict[str, Piece], tasks: list[Task], work: Path,
@@ -62,18 +134,21 @@ def compile_tasks(manifest: Manifest, first_of: dict[str, Piece], tasks: list[Ta
     def done(task: Task, c: inductor.CompiledPiece) -> None:
         with lock:
             results[task] = c
-            progress.step(len(results), total, _label(*task))
+            progress.step(len(results), total, _label(*task) + (" (resumed)" if c.reused else ""))
 
-    jobs = max(1, min(jobs, len(tasks)))
-    shares = [tasks[i::jobs] for i in range(jobs)]
+    # finished by an earlier, interrupted compile of this key: not compiled again
+    reused = {t: c for t in tasks if (c := _reuse(work, *t)) is not None}
+    todo = [t for t in tasks if t not in reused]
+    jobs = max(1, min(jobs, len(todo)))
+    shares = [todo[i::jobs] for i in range(jobs)]
+    progress.step(0, total, "compiling" + (f" in {jobs} processes" if jobs > 1 else "")
+                  + (f", {len(reused)} resumed from an interrupted compile" if reused else ""))
+    for task, c in reused.items():
+        done(task, c)
     workers = [_Worker(manifest, share, work, done) for share in shares[1:]]
     try:
-        progress.step(0, total, "compiling" + (f" in {jobs} processes" if jobs > 1 else ""))
         for uid, size in shares[0]:
-            piece = first_of[uid]
-            c = inductor.compile_piece(piece.gm, list(piece.example_inputs), size,
-                                       _out_dir(work, uid, size), options)
-            done((uid, size), c)
+            done((uid, size), _compile_into(work, uid, first_of[uid], size, options))
         for w in workers:
             w.wait()
     finally:
@@ -89,7 +164,8 @@ class _Worker:
         self.share, self.done = share, done
         spec = {"manifest": manifest.to_dict(), "file": str(manifest.path or "<manifest>"),
                 "base_dir": str(manifest.base_dir or Path.cwd()),
-                "tasks": [[u, s] for u, s in share], "work": str(work)}
+                "tasks": [[u, s] for u, s in share], "work": str(work),
+                "isa_probes": str(inductor.kept_isa_probes() or "")}
         fd, self.spec_path = tempfile.mkstemp(prefix="aotc-worker-", suffix=".json", dir=work)
         with os.fdopen(fd, "w") as f:
             json.dump(spec, f)
@@ -105,7 +181,8 @@ class _Worker:
         for line in self.proc.stdout:
             if line.startswith("{"):
                 task, c = _from_json(line)
-                COUNTERS["compiles"] += 1  # an Inductor compile ran, in the worker
+                if not c.reused:
+                    COUNTERS["compiles"] += 1  # an Inductor compile ran, in the worker
                 self.received += 1
                 self.done(task, c)
 
@@ -125,20 +202,35 @@ class _Worker:
         self.log.close()
 
 
+def _die_with_parent() -> None:
+    """A worker must not outlive a killed compile (Linux: the kernel sends it SIGKILL)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: a killed parent's worker finishes its share, writes nothing visible
+    if os.getppid() == 1:  # the parent died before the call above
+        os._exit(1)
+
+
 def _worker_main(spec_path: str) -> None:
     from aotc.pieces import trace_and_split
 
+    _die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
     manifest = parse_manifest(spec["manifest"], spec["file"], Path(spec["base_dir"]))
     traced = trace_and_split(manifest)
     work = Path(spec["work"])
+    if spec.get("isa_probes"):
+        inductor.keep_isa_probes(Path(spec["isa_probes"]))
     for uid, size in spec["tasks"]:
         piece = traced.first_of.get(uid)
         if piece is None:
             raise SystemExit(f"worker traced no piece {uid} (ids {sorted(traced.first_of)}): "
                              "the model does not trace deterministically")
-        c = inductor.compile_piece(piece.gm, list(piece.example_inputs), size,
-                                   _out_dir(work, uid, size), dict(manifest.inductor))
+        c = _compile_into(work, uid, piece, size, dict(manifest.inductor))
         print(_to_json(uid, c), flush=True)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from aotc.cache import blobio
+from aotc.cache import blobio, workdirs
 from aotc.cache.errors import CorruptedIndexError
 from aotc.cache.humanize import format_size
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
@@ -256,6 +256,9 @@ class GcPlan:
         for name in self.tmp_files:
             path = self.store.tmp_dir / name
             try:
+                if workdirs.is_workdir(path):
+                    freed += workdirs.remove_idle(path)
+                    continue
                 freed += path.stat().st_size
                 path.unlink()
             except FileNotFoundError:
@@ -284,7 +287,8 @@ def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAUL
         except FileNotFoundError:
             sizes[digest] = 0
     tmp = [store.tmp_dir / n for n in s.stale_tmp_files]
-    tmp_size = sum(p.stat().st_size for p in tmp if p.exists())
+    tmp_size = sum(workdirs.tree_size(p) if p.is_dir() else p.stat().st_size
+                   for p in tmp if p.exists())
     freed = tmp_size + sum(sizes.get(d, 0) for d in s.orphan_blobs)
     victims: list[EntryInfo] = []
     if max_size is not None:

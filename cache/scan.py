@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from aotc.cache import workdirs
 from aotc.cache.humanize import format_age, format_size
 
 if TYPE_CHECKING:
@@ -108,7 +109,10 @@ def _tmp_files(store: Store, grace: float) -> list[Path]:
     out = []
     for f in store.tmp_dir.iterdir():
         try:
-            if f.stat().st_mtime <= cutoff:
+            if workdirs.is_workdir(f):  # a compile's checkpoints: garbage once idle that long
+                if workdirs.stale(f, cutoff):
+                    out.append(f)
+            elif f.stat().st_mtime <= cutoff:
                 out.append(f)
         except FileNotFoundError:
             continue

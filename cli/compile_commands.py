@@ -54,7 +54,9 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
     phases = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(
         f"{result.name}: compiled {result.pieces} pieces ({result.unique_pieces} unique), "
-        f"{result.compiles} Inductor compiles, max abs err {result.max_abs_err:.3g}\n"
+        f"{result.compiles} Inductor compiles"
+        + (f" ({result.resumed} more resumed from an interrupted compile)" if result.resumed else "")
+        + f", max abs err {result.max_abs_err:.3g}\n"
         f"  {phases}\n  stored {format_size(result.bytes_stored)} under key {result.key}\n"
         f"  store {result.store}"
     )

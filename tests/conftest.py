@@ -64,6 +64,20 @@ def toy_manifest(tmp: Path, layers: int, name: str | None = None, **extra) -> Pa
     return path
 
 
+def tiny_manifest(tmp: Path, name: str = "toy-tiny") -> Path:
+    """The cheapest real compile: 1 layer, dynamic shape only (2 unique pieces, 2 Inductor
+    compiles) — for suites that compile in many processes."""
+    data = {"name": name,
+            "model": {"factory": "aotc.models.toy_llama:build",
+                      "kwargs": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64}},
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 64},
+                       {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],
+            "compile_sizes": [], "max_tokens": 64, "splitting_ops": ["aotc::attention"]}
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 @pytest.fixture(scope="session")
 def compiled(tmp_path_factory):
     """toy-llama with 2 and 4 layers and a tiny HF Llama, compiled once into one store."""

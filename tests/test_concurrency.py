@@ -1,6 +1,8 @@
-"""Loaders and gc at once, in real processes: 8 `aotc run` while `aotc gc --max-size 0` runs
-repeatedly → every run succeeds (gc spares entries read in the last --min-idle seconds, and a
-run marks its entry before reading a byte); once idle, the same gc empties the store cleanly."""
+"""Suite 4 — concurrency, in real processes. 4 `aotc compile` of one manifest into one empty store
+at once → all exit 0, one entry, each piece compiled once (a task lock in the key's work
+directory; the others reuse). 8 `aotc run` while `aotc gc --max-size 0` runs repeatedly → every
+run succeeds (gc spares entries read in the last --min-idle seconds, and a run marks its entry
+before reading a byte); once idle, the same gc empties the store cleanly."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import subprocess
 import pytest
 
 from aotc.cache import Store, verify
-from tests.conftest import PYTHON, copy_store, python_env
+import json
+
+from tests.conftest import PYTHON, copy_store, python_env, tiny_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +45,22 @@ def test_eight_runs_while_gc_evicts_everything(compiled, tmp_path) -> None:
     done = _aotc("--store", str(root), "gc", "--max-size", "0", "--min-idle", "0")
     assert done.wait(120) == 0
     assert key not in s.keys() and s.keys() == [] and verify(s).ok
+
+
+def test_four_concurrent_compiles_of_one_manifest(tmp_path) -> None:
+    manifest = str(tiny_manifest(tmp_path, "toy-race"))
+    root = str(tmp_path / "store")
+    procs = [_aotc("--store", root, "compile", manifest, "--json") for _ in range(4)]
+    outs = [(p.wait(600), *p.communicate()) for p in procs]
+    failed = [(rc, err[-800:]) for rc, _out, err in outs if rc != 0]
+    results = [json.loads(out) for rc, out, _err in outs if rc == 0]
+    keys = {r["key"] for r in results}
+    built = sum(r["compiles"] for r in results)
+    print(f"4 concurrent compiles of one manifest: {len(results)}/4 exit 0, {len(keys)} key, "
+          f"{built} Inductor compiles in all (2 unique pieces)")
+    assert not failed, failed
+    s = Store(root)
+    assert len(keys) == 1 and s.keys() == list(keys) and verify(s).ok
+    assert built == 2  # each piece once; the other compiles waited for it and reused it
+    assert not [p for p in s.tmp_dir.iterdir() if ".removing-" not in p.name]  # cleaned up
+    s.close()
