@@ -4,7 +4,10 @@
 
 CONFIG: {"mode", "manifest", "store", "first_tokens", "steady_sizes", "steady_iters",
 "threads", "mega_save", "mega_load"}; mode is one of eager, tc-cold, tc-warm, tc-mega,
-aotc-cold, aotc-warm (the cache directories are set by the parent through the environment).
+aotc-cold, aotc-warm, or steady-pair: aotc warm and torch.compile warm in ONE process, timed in
+alternating blocks (the order flips each round) so both see the same machine state — the
+steady-state ratio's measurement (the cache directories are set by the parent through the
+environment).
 Prints one JSON line: wall-clock time of the first output (``first_output_at``, time.time(), for
 the parent to subtract its spawn time), phase seconds, steady-state latencies, counters, peak RSS.
 """
@@ -39,6 +42,31 @@ def _counters() -> dict[str, int]:
     return out
 
 
+def _paired(a, b, xs, rounds: int, block: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median latency of ``a`` and ``b`` on ``xs`` and the median over rounds of the ratio of
+    their block medians; each round runs a block of ``a`` and a block of ``b``, order flipped."""
+    for f in (a, b, a, b):
+        for _ in range(3):
+            f(*xs)
+    ta: list[float] = []
+    tb: list[float] = []
+    ratios = []
+    for r in range(rounds):
+        med = {}
+        for name, f in (("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a)):
+            times = []
+            for _ in range(block):
+                t = time.perf_counter()
+                f(*xs)
+                times.append(time.perf_counter() - t)
+            med[name] = statistics.median(times)
+            (ta if name == "a" else tb).extend(times)
+        ratios.append(med["a"] / med["b"])
+    return {"aotc_ms": statistics.median(ta) * 1000, "tc_ms": statistics.median(tb) * 1000,
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "rounds": rounds, "block": block}
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     t0 = time.perf_counter()
@@ -58,6 +86,11 @@ def main() -> None:
     t = time.perf_counter()
     if mode == "eager":
         fn = model
+    elif mode == "steady-pair":
+        import aotc
+
+        tc_fn = torch.compile(model, dynamic=True)
+        fn = aotc.load(m, model=model, store=cfg["store"])
     elif mode.startswith("tc-"):
         if mode == "tc-mega":
             torch.compiler.load_cache_artifacts(open(cfg["mega_load"], "rb").read())
@@ -79,8 +112,14 @@ def main() -> None:
     phases["first_call"] = time.perf_counter() - t
     at_first_output = _counters()
     steady: dict[str, float] = {}
+    pair: dict[str, dict[str, float]] = {}
+    if mode == "steady-pair":
+        with torch.no_grad():
+            for n in cfg["steady_sizes"]:
+                pair[str(n)] = _paired(fn, tc_fn, make_inputs(m, int(n), seed=1),
+                                       rounds=int(cfg.get("pair_rounds", 12)), block=5)
     with torch.no_grad():
-        for n in cfg["steady_sizes"]:
+        for n in ([] if mode == "steady-pair" else cfg["steady_sizes"]):
             xs = make_inputs(m, int(n), seed=1)
             for _ in range(3):
                 fn(*xs)
@@ -95,7 +134,7 @@ def main() -> None:
         open(cfg["mega_save"], "wb").write(data)
     print(json.dumps({
         "mode": mode, "first_output_at": first_output_at, "first_line_at": FIRST_LINE_AT,
-        "phases": phases, "steady_ms": steady, "output_shape": list(y.shape),
+        "phases": phases, "steady_ms": steady, "output_shape": list(y.shape), "pair": pair,
         "counters_first_output": at_first_output, "counters_end": _counters(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))

