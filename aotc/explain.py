@@ -44,6 +44,21 @@ def resolve_key(store: Store, text: str) -> str:
     return found[0]
 
 
+def entry_key_for(store: Store, target: str) -> str:
+    """The stored key TARGET names: a manifest file (its entry for this machine; a miss is a
+    ``CacheMiss`` naming the fix) or a key / unique key prefix."""
+    from aotc.cache import CacheMiss
+
+    if Path(target).is_file():
+        report = explain_manifest(target, store)
+        if not report["hit"]:
+            raise CacheMiss(report.get("closest") or "0" * 64,
+                            hint=f"{target} is not compiled in {store.root} for this machine; "
+                                 f"run `aotc compile {target}`")
+        return str(report["key"])
+    return resolve_key(store, target)
+
+
 def explain_keys(store: Store, key_a: str, key_b: str) -> dict[str, Any]:
     """Every key factor that differs between two stored entries (A's value -> B's value)."""
     from aotc.key import explain

@@ -101,11 +101,14 @@ def signature_state(store: Store, entry: Entry, trusted: frozenset[str]) -> str:
     """``trusted`` (a valid signature by a trusted key), ``bad-signature`` (a signature that does
     not match the entry: tampered), ``untrusted-signer`` (valid, but by no trusted key) or
     ``unsigned``."""
-    sigs = store.signatures(entry.key)
+    return payload_state(store.signing_payload(entry), store.signatures(entry.key), trusted)
+
+
+def payload_state(payload: bytes, sigs: dict[str, str], trusted: frozenset[str]) -> str:
+    """``signature_state`` for a signing payload and its signatures held anywhere (a bundle)."""
     if not sigs:
         return "unsigned"
     ed = _crypto()
-    payload = store.signing_payload(entry)
     valid = set()
     for public, sig in sigs.items():
         try:
@@ -123,9 +126,16 @@ def signature_state(store: Store, entry: Entry, trusted: frozenset[str]) -> str:
 def enforce(store: Store, entry: Entry, trusted: frozenset[str]) -> None:
     """Raise ``TrustError`` unless ``entry`` is signed by a key in ``trusted`` (no-op when the
     policy is empty)."""
+    if trusted:
+        enforce_payload(store.signing_payload(entry), store.signatures(entry.key), trusted, entry)
+
+
+def enforce_payload(payload: bytes, sigs: dict[str, str], trusted: frozenset[str],
+                    entry: Entry) -> None:
+    """``enforce`` for a payload and signatures held outside a store (a bundle being imported)."""
     if not trusted:
         return
-    state = signature_state(store, entry, trusted)
+    state = payload_state(payload, sigs, trusted)
     if state != "trusted":
         why = {"unsigned": "it is not signed",
                "bad-signature": "its signature does not match its contents (tampered?)",

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from aotc.cli.bundle_commands import export_command, import_command
 from aotc.cli.common import AppContext, run_guarded
 from aotc.cli.compile_commands import register as register_compile_commands
 from aotc.cli.store_commands import gc_command, inspect_group, verify_command
@@ -34,6 +35,8 @@ cli.add_command(verify_command)
 cli.add_command(gc_command)
 cli.add_command(keygen_command)
 cli.add_command(sign_command)
+cli.add_command(export_command)
+cli.add_command(import_command)
 
 register_compile_commands(cli)  # they import torch inside their callbacks only
 

@@ -1,0 +1,234 @@
+"""Relocatable bundles: one store entry as one file (``aotc export``) and back (``aotc import``).
+
+Format: an uncompressed POSIX tar (the blobs are zstd already), members in this order::
+
+    aotc-bundle.json   {"format": 1, "key", "name", "factors", "metadata",
+                        "blobs": {role: {"digest", "size", "stored_size"}},
+                        "signatures": {public key: signature}}
+    blobs/<sha256>     each distinct blob exactly as the store keeps it (zstd)
+
+No absolute paths, no links, fixed owner and times (the same entry exports to the same bytes).
+``import_bundle`` reads the record first, then refuses — before anything enters the store — any
+member that is not a regular file with a name it expects (path traversal, links, devices),
+a duplicate, a member larger than the record says, a truncated file, a blob whose decompressed
+bytes do not hash to its name (decompression is bounded by the recorded size) and, under a trust
+policy, an entry not signed by a trusted key. Importing an entry the store already holds is a no-op.
+Needs no torch.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zstandard
+
+from aotc.cache import Entry, Store, blobio
+from aotc.cache.store import BlobRef
+from aotc.errors import AotcError
+from aotc.trust import enforce_payload
+
+FORMAT = 1
+RECORD = "aotc-bundle.json"
+MAX_RECORD = 16 << 20
+_CHUNK = 1 << 20
+
+
+class BundleError(AotcError):
+    """A bundle file that cannot be exported or imported as it is (named, with the reason)."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class BundleResult:
+    """What an export or import did."""
+
+    key: str
+    name: str
+    path: str
+    blobs: int
+    bytes: int
+    imported: bool = False  # import: False when the store already held the entry
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "name": self.name, "path": self.path, "blobs": self.blobs,
+                "bytes": self.bytes, "imported": self.imported}
+
+
+def _info(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime, info.uid, info.gid = size, 0o644, 0, 0, 0
+    return info
+
+
+def export_entry(store: Store, key: str, out: str | os.PathLike[str]) -> BundleResult:
+    """Write entry ``key`` of ``store`` (every blob verified first) to the bundle file ``out``."""
+    entry = store.get(key, record=False)
+    for ref in entry.blobs.values():  # never ship damaged bytes (marks the entry bad if so)
+        _verify(store, entry, ref)
+    record = {"format": FORMAT, "key": entry.key, "name": entry.name, "factors": entry.factors,
+              "metadata": entry.metadata,
+              "blobs": {r: {"digest": b.digest, "size": b.size, "stored_size": b.stored_size}
+                        for r, b in sorted(entry.blobs.items())},
+              "signatures": store.signatures(entry.key)}
+    data = json.dumps(record, sort_keys=True, indent=1).encode()
+    out = Path(out)
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    digests = sorted({b.digest for b in entry.blobs.values()})
+    try:
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            tar.addfile(_info(RECORD, len(data)), io.BytesIO(data))
+            for digest in digests:
+                path = store.blob_path(digest)
+                with open(path, "rb") as f:
+                    tar.addfile(_info(f"blobs/{digest}", path.stat().st_size), f)
+        os.replace(partial, out)
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise BundleError(f"cannot write bundle {out}: {e}") from e
+    return BundleResult(entry.key, entry.name, str(out), len(digests), out.stat().st_size)
+
+
+def _verify(store: Store, entry: Entry, ref: BlobRef) -> None:
+    try:
+        blobio.hash_blob(store.blob_path(ref.digest), ref.digest, ref.size)
+    except blobio.BlobCorrupt as exc:
+        store._corrupt(entry.key, ref, str(exc))  # raises CorruptedCacheError
+
+
+def _record(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        rec = json.loads(raw)
+        if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+            raise ValueError(f"format {rec.get('format') if isinstance(rec, dict) else '?'} "
+                             f"(this aotc reads {FORMAT})")
+        if not blobio.is_digest(rec["key"]) or not isinstance(rec["name"], str):
+            raise ValueError("key/name")
+        if not isinstance(rec["factors"], dict) or not isinstance(rec["metadata"], dict):
+            raise ValueError("factors/metadata are not objects")
+        for role, b in rec["blobs"].items():
+            if not (isinstance(role, str) and role and blobio.is_digest(b["digest"])
+                    and isinstance(b["size"], int) and b["size"] >= 0
+                    and isinstance(b["stored_size"], int) and b["stored_size"] >= 0):
+                raise ValueError(f"blob {role!r}")
+        if not isinstance(rec.get("signatures", {}), dict):
+            raise ValueError("signatures")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BundleError(f"{where}: {RECORD} is not a valid bundle record ({e})") from None
+    return rec
+
+
+def import_bundle(store: Store, path: str | os.PathLike[str],
+                  trusted: frozenset[str] = frozenset()) -> BundleResult:
+    """Verify the bundle at ``path`` completely, then add its entry to ``store`` (see module doc)."""
+    where = str(path)
+    try:
+        tar = tarfile.open(path, "r:")
+    except (OSError, tarfile.TarError) as e:
+        raise BundleError(f"{where}: not an aotc bundle ({e})") from None
+    staged: dict[str, Path] = {}
+    try:
+        with tar:
+            first = _next(tar, where)
+            if first is None or first.name != RECORD or not first.isreg() or first.size > MAX_RECORD:
+                raise BundleError(f"{where}: the first member must be {RECORD} (at most "
+                                  f"{MAX_RECORD >> 20} MiB); is this a bundle from `aotc export`?")
+            rec = _record(_read_all(tar, first, where), where)
+            sizes = {b["digest"]: (b["size"], b["stored_size"]) for b in rec["blobs"].values()}
+            entry = Entry(key=rec["key"], name=rec["name"], factors=rec["factors"],
+                          metadata=rec["metadata"],
+                          blobs={r: BlobRef(r, b["digest"], b["size"], b["stored_size"])
+                                 for r, b in rec["blobs"].items()})
+            sigs = {str(k): str(v) for k, v in rec.get("signatures", {}).items()}
+            enforce_payload(store.signing_payload(entry), sigs, trusted, entry)  # before any blob
+            if _already_there(store, entry):
+                return BundleResult(entry.key, entry.name, where, len(sizes), 0, imported=False)
+            while (member := _next(tar, where)) is not None:
+                digest = member.name.removeprefix("blobs/")
+                if member.name != f"blobs/{digest}" or digest not in sizes:
+                    raise BundleError(f"{where}: unexpected member {member.name!r} (only {RECORD} "
+                                      "and blobs/<sha256> of the record are allowed)")
+                if not member.isreg():
+                    raise BundleError(f"{where}: member {member.name!r} is a link or special file")
+                if digest in staged:
+                    raise BundleError(f"{where}: member {member.name!r} appears twice")
+                if member.size > sizes[digest][1]:
+                    raise BundleError(f"{where}: member {member.name!r} is {member.size} bytes, "
+                                      f"larger than the {sizes[digest][1]} its record says")
+                staged[digest] = _stage(store, tar, member, digest, sizes[digest][0], where)
+            missing = sorted(set(sizes) - set(staged))
+            if missing:
+                raise BundleError(f"{where}: {len(missing)} blob(s) missing, e.g. {missing[0][:16]}… "
+                                  "(a truncated or incomplete bundle)")
+            store.put(entry.key, entry.name, {r: staged[b.digest] for r, b in entry.blobs.items()},
+                      factors=entry.factors, metadata=entry.metadata)
+            for public, sig in sigs.items():
+                store.add_signature(entry.key, public, sig)
+            total = sum(s for _u, s in sizes.values())
+            return BundleResult(entry.key, entry.name, where, len(sizes), total, imported=True)
+    finally:
+        for p in staged.values():
+            p.unlink(missing_ok=True)
+
+
+def _next(tar: tarfile.TarFile, where: str) -> tarfile.TarInfo | None:
+    try:
+        return tar.next()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise BundleError(f"{where}: truncated or damaged bundle ({e})") from None
+
+
+def _read_all(tar: tarfile.TarFile, member: tarfile.TarInfo, where: str) -> bytes:
+    f = tar.extractfile(member)
+    try:
+        data = f.read() if f is not None else b""
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise BundleError(f"{where}: truncated bundle ({e})") from None
+    if len(data) != member.size:
+        raise BundleError(f"{where}: truncated bundle ({member.name} is short)")
+    return data
+
+
+def _stage(store: Store, tar: tarfile.TarFile, member: tarfile.TarInfo, digest: str, size: int,
+           where: str) -> Path:
+    """Decompress one blob member into a staging file (at most ``size`` bytes) and check its
+    hash; the file is the input of ``Store.put``."""
+    import hashlib
+
+    out = store.tmp_dir / f"import-{os.getpid()}-{digest[:16]}"
+    hasher, total = hashlib.sha256(), 0
+    src = tar.extractfile(member)
+    try:
+        with open(out, "wb") as dst, zstandard.ZstdDecompressor().stream_reader(
+                src, read_across_frames=True) as reader:
+            while chunk := reader.read(_CHUNK):
+                total += len(chunk)
+                if total > size:
+                    raise BundleError(f"{where}: blob {digest[:16]}… decompresses beyond the "
+                                      f"{size} bytes its record says")
+                hasher.update(chunk)
+                dst.write(chunk)
+    except (zstandard.ZstdError, tarfile.TarError, OSError, EOFError) as e:
+        out.unlink(missing_ok=True)
+        raise BundleError(f"{where}: blob {digest[:16]}… is truncated or damaged ({e})") from None
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    if total != size or hasher.hexdigest() != digest:
+        out.unlink(missing_ok=True)
+        raise BundleError(f"{where}: blob {digest[:16]}… does not hash to its name (tampered or "
+                          "damaged); nothing was imported")
+    return out
+
+
+def _already_there(store: Store, entry: Entry) -> bool:
+    if not store.has(entry.key):
+        return False
+    held = store.get(entry.key, record=False)
+    return {r: b.digest for r, b in held.blobs.items()} == {r: b.digest for r, b in entry.blobs.items()}

@@ -1,0 +1,55 @@
+"""``aotc export`` / ``aotc import``: one entry as one relocatable file (``aotc.bundle``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from aotc.cache.humanize import format_size
+from aotc.cli.common import AppContext, guard, pass_app, print_json
+
+
+@click.command("export")
+@click.argument("target")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The bundle file to write (e.g. model.aotc).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@pass_app
+@guard
+def export_command(app: AppContext, target: str, output: str, as_json: bool) -> None:
+    """Write one entry (TARGET: a manifest — its entry for this machine — or a stored key or
+    unique prefix) to a relocatable bundle file."""
+    from aotc.bundle import export_entry
+    from aotc.explain import entry_key_for
+
+    result = export_entry(app.store, entry_key_for(app.store, target), output)
+    if as_json:
+        print_json(result.to_json())
+        return
+    click.echo(f"exported {result.name} {result.key[:16]}… ({result.blobs} blobs, "
+               f"{format_size(result.bytes)}) to {result.path}")
+
+
+@click.command("import")
+@click.argument("bundle", type=click.Path(dir_okay=False, exists=True))
+@click.option("--trust", multiple=True, metavar="PUBKEY",
+              help="A trusted public key (hex or a file); adds to AOTC_TRUST_KEYS.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@pass_app
+@guard
+def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], as_json: bool) -> None:
+    """Verify BUNDLE completely (every digest; the signature under a trust policy), then add
+    its entry to the store. Importing an entry already there does nothing."""
+    from aotc.bundle import import_bundle
+    from aotc.trust import trust_policy
+
+    result = import_bundle(app.store, Path(bundle), trusted=trust_policy(trust))
+    if as_json:
+        print_json(result.to_json())
+        return
+    if result.imported:
+        click.echo(f"imported {result.name} {result.key[:16]}… ({result.blobs} blobs, "
+                   f"{format_size(result.bytes)}) into {app.store.root}")
+    else:
+        click.echo(f"{result.name} {result.key[:16]}… is already in {app.store.root}: nothing to do")
