@@ -263,3 +263,31 @@ def test_scan_reports_metadata_and_json(store: Store) -> None:
     assert (e.name, e.blob_count, e.size, e.pieces, e.shapes) == ("model", 2, 3, 5, ("dyn", "8"))
     assert e.size_str == "3B" and e.key_short == key("m")[:12]
     json.dumps(s.to_json())
+
+
+def test_compile_workdirs_gc_only_when_idle_and_old(store: Store) -> None:
+    """A compile's checkpoint directory (tmp/compile-<key>/) is gc'd only when nobody holds its
+    lock and its newest file is older than the grace; the last holder to finish removes it."""
+    import time as _time
+
+    from aotc.cache import workdirs
+
+    with workdirs.claim(store.tmp_dir, "a" * 32) as held:
+        (held.path / "piece-dyn").mkdir()
+        (held.path / "piece-dyn" / "done.json").write_text("{}")
+        assert workdirs.in_use(held.path)
+        assert plan_gc(store, tmp_grace=0).tmp_files == ()  # in use: spared even at grace 0
+        with workdirs.claim(store.tmp_dir, "a" * 32) as other:  # a concurrent compile of the key
+            other.finished()
+        assert held.path.exists()  # the other one finished first: not removed under us
+    assert held.path.exists() and not workdirs.in_use(held.path)  # not finished: kept to resume
+    assert plan_gc(store).tmp_files == ()  # young: a compile may resume from it
+    old = _time.time() - 7200
+    for p in [held.path, *held.path.rglob("*")]:
+        os.utime(p, (old, old))
+    plan = plan_gc(store)
+    assert plan.tmp_files == (held.path.name,) and plan.expected_freed_size == 2
+    assert plan.execute() == 2 and not held.path.exists()
+    with workdirs.claim(store.tmp_dir, "b" * 32) as last:
+        last.finished()
+    assert not last.path.exists() and list(store.tmp_dir.iterdir()) == []
