@@ -21,7 +21,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,8 @@ import zstandard
 from aotc.cache import Entry, Store, blobio
 from aotc.cache.store import BlobRef
 from aotc.errors import AotcError
-from aotc.trust import enforce_payload
+from aotc.key import compute_key
+from aotc.trust import enforce_payload, valid_signatures
 
 FORMAT = 1
 RECORD = "aotc-bundle.json"
@@ -72,26 +75,29 @@ def export_entry(store: Store, key: str, out: str | os.PathLike[str]) -> BundleR
     entry = store.get(key, record=False)
     for ref in entry.blobs.values():  # never ship damaged bytes (marks the entry bad if so)
         _verify(store, entry, ref)
-    record = {"format": FORMAT, "key": entry.key, "name": entry.name, "factors": entry.factors,
-              "metadata": entry.metadata,
-              "blobs": {r: {"digest": b.digest, "size": b.size, "stored_size": b.stored_size}
-                        for r, b in sorted(entry.blobs.items())},
-              "signatures": store.signatures(entry.key)}
-    data = json.dumps(record, sort_keys=True, indent=1).encode()
     out = Path(out)
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     digests = sorted({b.digest for b in entry.blobs.values()})
+    files = {d: open(store.blob_path(d), "rb") for d in digests}  # noqa: SIM115 - closed below
     try:
+        stored = {d: os.fstat(f.fileno()).st_size for d, f in files.items()}  # what is written
+        record = {"format": FORMAT, "key": entry.key, "name": entry.name, "factors": entry.factors,
+                  "metadata": entry.metadata,
+                  "blobs": {r: {"digest": b.digest, "size": b.size, "stored_size": stored[b.digest]}
+                            for r, b in sorted(entry.blobs.items())},
+                  "signatures": store.signatures(entry.key)}
+        data = json.dumps(record, sort_keys=True, indent=1).encode()
         with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
             tar.addfile(_info(RECORD, len(data)), io.BytesIO(data))
             for digest in digests:
-                path = store.blob_path(digest)
-                with open(path, "rb") as f:
-                    tar.addfile(_info(f"blobs/{digest}", path.stat().st_size), f)
+                tar.addfile(_info(f"blobs/{digest}", stored[digest]), files[digest])
         os.replace(partial, out)
     except OSError as e:
         partial.unlink(missing_ok=True)
         raise BundleError(f"cannot write bundle {out}: {e}") from e
+    finally:
+        for f in files.values():
+            f.close()
     return BundleResult(entry.key, entry.name, str(out), len(digests), out.stat().st_size)
 
 
@@ -119,7 +125,9 @@ def _record(raw: bytes, where: str) -> dict[str, Any]:
                 raise ValueError(f"blob {role!r}")
         if not isinstance(rec.get("signatures", {}), dict):
             raise ValueError("signatures")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        if compute_key(rec["factors"]) != rec["key"]:
+            raise ValueError("its key is not the hash of its factors")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise BundleError(f"{where}: {RECORD} is not a valid bundle record ({e})") from None
     return rec
 
@@ -146,9 +154,18 @@ def import_bundle(store: Store, path: str | os.PathLike[str],
                           blobs={r: BlobRef(r, b["digest"], b["size"], b["stored_size"])
                                  for r, b in rec["blobs"].items()})
             sigs = {str(k): str(v) for k, v in rec.get("signatures", {}).items()}
-            enforce_payload(store.signing_payload(entry), sigs, trusted, entry)  # before any blob
-            if _already_there(store, entry):
+            payload = store.signing_payload(entry)
+            enforce_payload(payload, sigs, trusted, entry)  # before any blob
+            sigs = valid_signatures(payload, sigs)  # a bad one is never stored
+            if _already_there(store, entry):  # the same content: only add its signatures
+                for public, sig in sigs.items():
+                    store.add_signature(entry.key, public, sig)
                 return BundleResult(entry.key, entry.name, where, len(sizes), 0, imported=False)
+            need = sum(u for u, _s in sizes.values())
+            free = shutil.disk_usage(store.tmp_dir).free
+            if need > free:  # sizes are the record's word: never decompress past the disk
+                raise BundleError(f"{where}: its blobs decompress to {need} bytes, more than the "
+                                  f"{free} free beside the store")
             while (member := _next(tar, where)) is not None:
                 digest = member.name.removeprefix("blobs/")
                 if member.name != f"blobs/{digest}" or digest not in sizes:
@@ -166,8 +183,13 @@ def import_bundle(store: Store, path: str | os.PathLike[str],
             if missing:
                 raise BundleError(f"{where}: {len(missing)} blob(s) missing, e.g. {missing[0][:16]}… "
                                   "(a truncated or incomplete bundle)")
-            store.put(entry.key, entry.name, {r: staged[b.digest] for r, b in entry.blobs.items()},
-                      factors=entry.factors, metadata=entry.metadata)
+            put = store.put(entry.key, entry.name,
+                            {r: staged[b.digest] for r, b in entry.blobs.items()},
+                            factors=entry.factors, metadata=entry.metadata)
+            if {r: b.digest for r, b in put.blobs.items()} != {r: b.digest for r, b in entry.blobs.items()}:
+                store.delete(entry.key)  # a staging file changed under us: never keep that
+                raise BundleError(f"{where}: a staged blob changed before it was stored; "
+                                  "nothing was imported, try again")
             for public, sig in sigs.items():
                 store.add_signature(entry.key, public, sig)
             total = sum(s for _u, s in sizes.values())
@@ -201,11 +223,12 @@ def _stage(store: Store, tar: tarfile.TarFile, member: tarfile.TarInfo, digest: 
     hash; the file is the input of ``Store.put``."""
     import hashlib
 
-    out = store.tmp_dir / f"import-{os.getpid()}-{digest[:16]}"
+    fd, name = tempfile.mkstemp(prefix=f"import-{digest[:16]}-", dir=store.tmp_dir)
+    out = Path(name)
     hasher, total = hashlib.sha256(), 0
     src = tar.extractfile(member)
     try:
-        with open(out, "wb") as dst, zstandard.ZstdDecompressor().stream_reader(
+        with os.fdopen(fd, "wb") as dst, zstandard.ZstdDecompressor().stream_reader(
                 src, read_across_frames=True) as reader:
             while chunk := reader.read(_CHUNK):
                 total += len(chunk)

@@ -8,6 +8,7 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -29,7 +30,7 @@ from aotc.toolchain import fingerprint, machine_factors
 from aotc.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runner import Runner
 from aotc.rehydrate import rehydrate
-from aotc.parallel import compile_tasks
+from aotc.parallel import compile_tasks, discard
 from aotc.pieces import trace_and_split
 from aotc.split import node_op_names
 
@@ -115,13 +116,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         found = resolve(manifest, store, toolchain, record=False)
         if found.entry is not None:
             seconds["lookup"] = time.perf_counter() - t
-            meta = found.entry.metadata
-            return CompileResult(
-                key=found.entry.key, name=manifest.name, hit=True, pieces=int(meta.get("pieces", 0)),
-                unique_pieces=int(meta.get("unique_pieces", 0)), compiles=0, traces=0,
-                seconds=seconds, bytes_stored=0,
-                max_abs_err=meta.get("numerics", {}).get("max_abs_err"),
-                numerics=meta.get("numerics", {}), store=str(store.root))
+            return _hit(found.entry, manifest, seconds, store, traces=0)
     seconds["lookup"] = time.perf_counter() - t
 
     traced = trace_and_split(manifest, progress, seconds)
@@ -136,8 +131,13 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     factors = full_factors(base, code)
     key = compute_key(factors)
     # finished pieces are kept per key in the store's work directory: a killed compile resumes
-    with workdirs.claim(store.tmp_dir, key[:32]) as claimed, \
+    # (--force starts from nothing: its own directory)
+    name = key[:32] if not force else f"{key[:32]}-force-{os.getpid()}"
+    with workdirs.claim(store.tmp_dir, name) as claimed, \
             tempfile.TemporaryDirectory(prefix="run-", dir=claimed.path) as tmp:
+        if not force and store.has(key):  # a concurrent compile stored it while we traced
+            claimed.finished()
+            return _hit(store.get(key, record=False), manifest, seconds, store, traces=1)
         kernel_root = Path(tmp) / "kernels"
         tasks = [(uid, size) for uid in first_of for size in shapes]
         compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs)
@@ -145,36 +145,40 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         for c in compiled.values():
             _merge_kernels(c, kernel_root, kernel_files)
         seconds["compile"] = time.perf_counter() - t
-
-        progress.phase("check", "reload artifacts, compare with eager")
-        t = time.perf_counter()
-        artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}",
-                                    _wrapper_role(compiled[(uid, size)], uid, size, warnings))
-                     for (uid, size) in tasks]
-        kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
-        program = Program(
-            name=manifest.name, device=manifest.device, dtype=manifest.dtype,
-            slots=_slots(captured.arg_spec, model),
-            inputs=tuple(_input_dict(s) for s in manifest.inputs),
-            stitch=encode_graph(parts.stitch),
-            pieces=tuple(
-                PieceRecord(p.name, "compiled", uid=uid_of[p.name],
-                            returns_tuple=inductor._graph_returns_tuple(p.gm)) if not p.is_splitting else
-                PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=_op_of(p.gm, manifest))
-                for p in parts.pieces),
-            artifacts=tuple(artifacts), kernel_roles=kernel_roles,
-            compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
-            max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
-            min_dynamic_tokens=_min_dynamic(captured),
-            source_files=code,
-        )
-        files = _artifact_files(artifacts, compiled)
-        # reload exactly what will be stored, as the loader will
-        by_uid = rehydrate(program, files, kernel_root, dict(manifest.inductor))
-        runner = Runner(program, by_uid, model)
-        numerics = numeric_check(runner, model, manifest)
-        program = _with_numerics(program, numerics)
-        seconds["check"] = time.perf_counter() - t
+        try:
+            progress.phase("check", "reload artifacts, compare with eager")
+            t = time.perf_counter()
+            artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}",
+                                        _wrapper_role(compiled[(uid, size)], uid, size, warnings))
+                         for (uid, size) in tasks]
+            kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
+            program = Program(
+                name=manifest.name, device=manifest.device, dtype=manifest.dtype,
+                slots=_slots(captured.arg_spec, model),
+                inputs=tuple(_input_dict(s) for s in manifest.inputs),
+                stitch=encode_graph(parts.stitch),
+                pieces=tuple(
+                    PieceRecord(p.name, "compiled", uid=uid_of[p.name],
+                                returns_tuple=inductor._graph_returns_tuple(p.gm)) if not p.is_splitting else
+                    PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=_op_of(p.gm, manifest))
+                    for p in parts.pieces),
+                artifacts=tuple(artifacts), kernel_roles=kernel_roles,
+                compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
+                max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
+                min_dynamic_tokens=_min_dynamic(captured),
+                source_files=code,
+            )
+            files = _artifact_files(artifacts, compiled)
+            # reload exactly what will be stored, as the loader will
+            by_uid = rehydrate(program, files, kernel_root, dict(manifest.inductor))
+            runner = Runner(program, by_uid, model)
+            numerics = numeric_check(runner, model, manifest)
+            program = _with_numerics(program, numerics)
+            seconds["check"] = time.perf_counter() - t
+        except AotcError:
+            # a reused result may be what failed the check: never reuse those again
+            discard(claimed.path, [task for task, c in compiled.items() if c.reused])
+            raise
 
         t = time.perf_counter()
         blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json()}
@@ -198,6 +202,16 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
         store=str(store.root), resumed=sum(c.reused for c in compiled.values()))
+
+
+def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,
+         traces: int) -> CompileResult:
+    meta = entry.metadata
+    return CompileResult(
+        key=entry.key, name=manifest.name, hit=True, pieces=int(meta.get("pieces", 0)),
+        unique_pieces=int(meta.get("unique_pieces", 0)), compiles=0, traces=traces,
+        seconds=seconds, bytes_stored=0, max_abs_err=meta.get("numerics", {}).get("max_abs_err"),
+        numerics=meta.get("numerics", {}), store=str(store.root))
 
 
 def _wrapper_role(c: inductor.CompiledPiece, uid: str, size: int | None,

@@ -19,11 +19,11 @@ def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str,
         return {"hit": True, "key": res.entry.key, "closest": res.entry.key, "differences": [],
                 "summary": f"{m.name}: hit, key {res.entry.key[:16]}… is in {store.root}"}
     if res.closest is None:
-        return {"hit": False, "key": None, "closest": None, "differences": [],
+        return {"hit": False, "key": None, "probe": res.probe, "closest": None, "differences": [],
                 "summary": f"{m.name}: miss; the store {store.root} has no entry of that name "
                            f"to compare with; run `aotc compile {m.path or 'MANIFEST'}`"}
     diffs = [d.describe() for d in res.diffs]
-    return {"hit": False, "key": None, "closest": res.closest.key, "differences": diffs,
+    return {"hit": False, "key": None, "probe": res.probe, "closest": res.closest.key, "differences": diffs,
             "summary": f"{m.name}: miss; closest entry {res.closest.key[:16]}… differs in "
                        f"{len(diffs)} factor(s) (stored -> current):"}
 
@@ -52,7 +52,7 @@ def entry_key_for(store: Store, target: str) -> str:
     if Path(target).is_file():
         report = explain_manifest(target, store)
         if not report["hit"]:
-            raise CacheMiss(report.get("closest") or "0" * 64,
+            raise CacheMiss(report.get("probe") or "0" * 64,
                             hint=f"{target} is not compiled in {store.root} for this machine; "
                                  f"run `aotc compile {target}`")
         return str(report["key"])

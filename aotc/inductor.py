@@ -64,11 +64,16 @@ def _isa_probe_files() -> dict[str, Path]:
     here once per process in a cold child process and seeded into every compile's cache dir
     (hence shipped with every piece). Empty if the probe cannot run.
     """
-    if "files" not in _probe:
-        kept: Path | None = _probe.get("keep")
+    kept: Path | None = _probe.get("keep")
+    files = _probe.get("files")
+    if files is not None and (_probe.get("files_for") != kept or not all(p.is_file() for p in files.values())):
+        files = _probe["files"] = None  # another store now, or its files went away: again
+    if files is None:
+        _probe["files_for"] = kept
         if kept is not None and kept.is_dir():  # built by an earlier process on this toolchain
             _probe["files"] = {rel: kept / rel for rel in _kernel_files(kept)}
-            return _probe["files"]
+            if _probe["files"]:
+                return _probe["files"]
         tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
         _probe["dir"] = tmp  # lives as long as the process
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp.name)

@@ -42,8 +42,10 @@ def _out_dir(work: Path, uid: str, size: int | None) -> Path:
     return work / f"{uid}-{size or 'dyn'}"
 
 
-def _reuse(work: Path, uid: str, size: int | None) -> inductor.CompiledPiece | None:
-    """The finished result of a task in ``work``, if a previous or concurrent compile left one."""
+def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> inductor.CompiledPiece | None:
+    """The finished result of a task in ``work``, if a previous or concurrent compile left one
+    whose files are all there at their recorded sizes. ``repair`` (only under the task's lock)
+    removes a result that fails the check, so it is built again."""
     out = _out_dir(work, uid, size)
     try:
         d = json.loads((out / "done.json").read_text())
@@ -51,19 +53,30 @@ def _reuse(work: Path, uid: str, size: int | None) -> inductor.CompiledPiece | N
             out / d["artifact"], out / "kernels", tuple(d["kernel_files"]), d["size"], d["key"],
             float(d["seconds"]), None if d["wrapper"] is None else out / d["wrapper"],
             str(d["wrapper_note"]), reused=True)
-        needed = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
-        if c.wrapper is not None:
-            needed.append(c.wrapper)
-        if not all(p.is_file() for p in needed):
-            raise ValueError("a file it lists is missing")
+        for rel, n in d["sizes"].items():  # a file cut short (power loss, disk full): rebuild
+            if (out / rel).stat().st_size != n:
+                raise ValueError(f"{rel} is not {n} bytes")
         return c
     except FileNotFoundError:
-        if out.exists():  # no done.json: not ours to trust
+        if repair and out.exists():  # incomplete: not ours to trust
             shutil.rmtree(out, ignore_errors=True)
         return None
-    except (OSError, ValueError, KeyError, TypeError):  # damaged: compile it again
-        shutil.rmtree(out, ignore_errors=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: build it again
+        if repair:
+            shutil.rmtree(out, ignore_errors=True)
         return None
+
+
+def discard(work: Path, tasks: list[Task]) -> None:
+    """Remove the finished results of ``tasks`` (after they failed a check: never reuse them)."""
+    for uid, size in tasks:
+        out = _out_dir(work, uid, size)
+        lock = os.open(work / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            shutil.rmtree(out, ignore_errors=True)
+        finally:
+            os.close(lock)
 
 
 def _compile_into(work: Path, uid: str, piece: Piece, size: int | None,
@@ -85,18 +98,29 @@ def _compile_into(work: Path, uid: str, piece: Piece, size: int | None,
 def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
            options: dict[str, Any]) -> inductor.CompiledPiece:
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=work))
-    c = inductor.compile_piece(piece.gm, list(piece.example_inputs), size, partial / "result",
-                               options, tmp_root=partial)
-    result = partial / "result"
-    done = {"uid": uid, "size": size, "artifact": c.artifact.name, "kernel_files": list(c.kernel_files),
-            "key": c.key, "seconds": c.seconds,
-            "wrapper": None if c.wrapper is None else c.wrapper.name, "wrapper_note": c.wrapper_note}
-    (result / "done.json").write_text(json.dumps(done))
     try:
-        os.rename(result, out)
-    except OSError:  # a concurrent compile finished it first: same key, same result
-        pass
-    shutil.rmtree(partial, ignore_errors=True)
+        c = inductor.compile_piece(piece.gm, list(piece.example_inputs), size, partial / "result",
+                                   options, tmp_root=partial)
+        result = partial / "result"
+        files = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
+        if c.wrapper is not None:
+            files.append(c.wrapper)
+        sizes = {}
+        for f in files:  # on disk before the rename makes them visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+            sizes[f.relative_to(result).as_posix()] = f.stat().st_size
+        done = {"uid": uid, "size": size, "artifact": c.artifact.name,
+                "kernel_files": list(c.kernel_files), "key": c.key, "seconds": c.seconds,
+                "wrapper": None if c.wrapper is None else c.wrapper.name,
+                "wrapper_note": c.wrapper_note, "sizes": sizes}
+        (result / "done.json").write_text(json.dumps(done))
+        try:
+            os.rename(result, out)
+        except OSError:  # a concurrent compile finished it first: same key, same result
+            pass
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     found = _reuse(work, uid, size)
     if found is None:
         raise CompileError(f"compiled piece {uid} vanished from {work} (removed by gc?); compile again")
@@ -137,7 +161,7 @@ def compile_tasks(manifest: Manifest, first_of: dict[str, Piece], tasks: list[Ta
             progress.step(len(results), total, _label(*task) + (" (resumed)" if c.reused else ""))
 
     # finished by an earlier, interrupted compile of this key: not compiled again
-    reused = {t: c for t in tasks if (c := _reuse(work, *t)) is not None}
+    reused = {t: c for t in tasks if (c := _reuse(work, *t, repair=False)) is not None}
     todo = [t for t in tasks if t not in reused]
     jobs = max(1, min(jobs, len(todo)))
     shares = [todo[i::jobs] for i in range(jobs)]
@@ -165,7 +189,7 @@ class _Worker:
         spec = {"manifest": manifest.to_dict(), "file": str(manifest.path or "<manifest>"),
                 "base_dir": str(manifest.base_dir or Path.cwd()),
                 "tasks": [[u, s] for u, s in share], "work": str(work),
-                "isa_probes": str(inductor.kept_isa_probes() or "")}
+                "isa_probes": str(inductor.kept_isa_probes() or ""), "parent": os.getpid()}
         fd, self.spec_path = tempfile.mkstemp(prefix="aotc-worker-", suffix=".json", dir=work)
         with os.fdopen(fd, "w") as f:
             json.dump(spec, f)
@@ -200,9 +224,11 @@ class _Worker:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        for f in (Path(self.spec_path), Path(self.spec_path).with_suffix(".log")):
+            f.unlink(missing_ok=True)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """A worker must not outlive a killed compile (Linux: the kernel sends it SIGKILL)."""
     try:
         import ctypes
@@ -211,15 +237,15 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return  # not Linux: a killed parent's worker finishes its share, writes nothing visible
-    if os.getppid() == 1:  # the parent died before the call above
+    if os.getppid() != parent:  # the parent died before the call above (reparented)
         os._exit(1)
 
 
 def _worker_main(spec_path: str) -> None:
     from aotc.pieces import trace_and_split
 
-    _die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
+    _die_with_parent(int(spec.get("parent", os.getppid())))
     manifest = parse_manifest(spec["manifest"], spec["file"], Path(spec["base_dir"]))
     traced = trace_and_split(manifest)
     work = Path(spec["work"])

@@ -129,13 +129,23 @@ class Resolution:
         return self.entry is not None
 
 
+def _is_current(row: dict[str, Any], base: dict[str, Any], manifest: Manifest) -> bool:
+    """Whether a (damaged) entry row is what this manifest would compile to now: its recorded
+    source files still hash the same. Unreadable factors: assume so (report the damage)."""
+    try:
+        code = json.loads(row["factors"]).get("code", {})
+        return compute_key(full_factors(base, hash_sources(dict(code), manifest))) == row["key"]
+    except (TypeError, ValueError, AttributeError):
+        return True
+
+
 def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: bool = True) -> Resolution:
     """Find the stored entry this manifest would compile to on this machine, without tracing.
     ``machine`` is ``aotc.toolchain.machine_factors(...)``."""
     base = base_factors(manifest, machine)
     probe = compute_key(base)
     rows = store.index.query(  # bad entries too: get() raises for them, so a lookup says why
-        "SELECT key, metadata FROM entries ORDER BY created DESC")
+        "SELECT key, metadata, factors FROM entries ORDER BY created DESC")
     candidates = []
     corrupt: CorruptedCacheError | None = None
     for row in rows:
@@ -150,7 +160,8 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
         except CacheMiss:  # evicted meanwhile
             continue
         except CorruptedCacheError as exc:  # damaged (now marked bad): not a hit; kept to report
-            corrupt = corrupt or exc
+            if _is_current(row, base, manifest):  # not if it was built from older sources
+                corrupt = corrupt or exc
             continue
     newest_miss: tuple[Entry, tuple[FactorDiff, ...]] | None = None
     for cand in candidates:  # every candidate: servers on older code may share a store

@@ -104,18 +104,26 @@ def signature_state(store: Store, entry: Entry, trusted: frozenset[str]) -> str:
     return payload_state(store.signing_payload(entry), store.signatures(entry.key), trusted)
 
 
+def valid_signatures(payload: bytes, sigs: dict[str, str]) -> dict[str, str]:
+    """The signatures in ``sigs`` that verify against ``payload`` (no crypto import when none)."""
+    if not sigs:
+        return {}
+    ed = _crypto()
+    out = {}
+    for public, sig in sigs.items():
+        try:
+            ed.Ed25519PublicKey.from_public_bytes(bytes.fromhex(public)).verify(bytes.fromhex(sig), payload)
+            out[public] = sig
+        except Exception:  # noqa: BLE001 - InvalidSignature, malformed hex or key: not valid
+            continue
+    return out
+
+
 def payload_state(payload: bytes, sigs: dict[str, str], trusted: frozenset[str]) -> str:
     """``signature_state`` for a signing payload and its signatures held anywhere (a bundle)."""
     if not sigs:
         return "unsigned"
-    ed = _crypto()
-    valid = set()
-    for public, sig in sigs.items():
-        try:
-            ed.Ed25519PublicKey.from_public_bytes(bytes.fromhex(public)).verify(bytes.fromhex(sig), payload)
-            valid.add(public)
-        except Exception:  # noqa: BLE001 - InvalidSignature, malformed hex or key: not valid
-            continue
+    valid = set(valid_signatures(payload, sigs))
     if valid & trusted:
         return "trusted"
     if len(valid) < len(sigs):

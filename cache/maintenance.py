@@ -149,6 +149,14 @@ def verify_at(root: str | os.PathLike[str], repair: bool = False,
 
     try:
         store = Store(root)
+        try:  # damage past page 1 shows only in queries: check the whole file first
+            bad = store.index.query("PRAGMA quick_check")
+            if [r for r in bad if list(r.values()) != ["ok"]]:
+                raise CorruptedIndexError(str(store.index_path), "sqlite quick_check: " + "; ".join(
+                    str(v) for r in bad[:3] for v in r.values()))
+            return verify(store, repair=repair, tmp_grace=tmp_grace)
+        finally:
+            store.close()
     except CorruptedIndexError as exc:
         if not repair:
             problem = Problem(None, None, None, None, "index-corrupt", exc.problem)
@@ -160,10 +168,6 @@ def verify_at(root: str | os.PathLike[str], repair: bool = False,
         problem = Problem(None, None, None, None, "index-corrupt",
                           f"{exc.problem}; set aside as {aside.name}, started an empty index")
         return replace(report, problems=(problem, *report.problems), index_problem=exc.problem)
-    try:
-        return verify(store, repair=repair, tmp_grace=tmp_grace)
-    finally:
-        store.close()
 
 
 def _set_index_aside(index: Path) -> Path:

@@ -115,9 +115,23 @@ def _tampered(ms):  # type: ignore[no-untyped-def]
 
 
 def _bomb(ms):  # type: ignore[no-untyped-def]
-    head, (info, data), *rest = ms
-    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))  # tiny, expands far
-    return [head, (info, bomb[: len(data)] if len(bomb) > len(data) else bomb), *rest]
+    """The largest blob swapped for a small, whole zstd frame expanding far past its recorded size."""
+    head, *blobs = ms
+    i = max(range(len(blobs)), key=lambda k: len(blobs[k][1]))
+    info, data = blobs[i]
+    rec = json.loads(head[1])
+    size = next(b["size"] for b in rec["blobs"].values() if info.name.endswith(b["digest"]))
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (size + (64 << 20)))
+    assert len(bomb) <= len(data)  # fits the member bound: only the decompression bound stops it
+    blobs[i] = (info, bomb)
+    return [head, *blobs]
+
+
+def _key_mismatch(ms):  # type: ignore[no-untyped-def]
+    head, *rest = ms
+    rec = json.loads(head[1])
+    rec["factors"]["manifest"]["max_tokens"] = 1 << 20  # claims another model under the same key
+    return [(head[0], json.dumps(rec).encode()), *rest]
 
 
 def _record_not_first(ms):  # type: ignore[no-untyped-def]
@@ -132,8 +146,8 @@ def _bad_record(ms):  # type: ignore[no-untyped-def]
 HOSTILE: list[tuple[Callable, str]] = [
     (_traversal, "unexpected member"), (_symlink, "link or special"), (_device, "link or special"),
     (_duplicate, "appears twice"), (_oversized, "larger than"), (_tampered, "does not hash"),
-    (_bomb, "decompresses beyond|does not hash|damaged"), (_record_not_first, "first member"),
-    (_bad_record, "not a valid bundle record"),
+    (_bomb, "decompresses beyond"), (_record_not_first, "first member"),
+    (_bad_record, "not a valid bundle record"), (_key_mismatch, "not the hash of its factors"),
 ]
 
 

@@ -51,7 +51,10 @@ def test_four_concurrent_compiles_of_one_manifest(tmp_path) -> None:
     manifest = str(tiny_manifest(tmp_path, "toy-race"))
     root = str(tmp_path / "store")
     procs = [_aotc("--store", root, "compile", manifest, "--json") for _ in range(4)]
-    outs = [(p.wait(600), *p.communicate()) for p in procs]
+    outs = []
+    for p in procs:  # communicate: a child writing more than a pipe holds never blocks
+        out, err = p.communicate(timeout=600)
+        outs.append((p.returncode, out, err))
     failed = [(rc, err[-800:]) for rc, _out, err in outs if rc != 0]
     results = [json.loads(out) for rc, out, _err in outs if rc == 0]
     keys = {r["key"] for r in results}

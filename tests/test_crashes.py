@@ -71,14 +71,14 @@ def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
     rng = random.Random(seed)
     manifest = tiny_manifest(tmp_path, "toy-crash")
     root = tmp_path / "store"
-    cmd = [PYTHON, "-m", "aotc.cli", "--store", str(root), "compile", str(manifest), "--force"]
+    cmd = [PYTHON, "-m", "aotc.cli", "--store", str(root), "compile", str(manifest)]
     plan = [name for name, (_m, times, _d) in EVENTS.items() for _ in range(times)]
     rng.shuffle(plan)
     plan += [name for name, (_m, times, _d) in LATE.items() for _ in range(times)]
     table = {**EVENTS, **LATE}
     assert len(plan) == POINTS
     kills: dict[str, int] = {}
-    completed = runs = 0
+    completed = runs = resumed_runs = 0
     spent: list[str] = []
     while sum(kills.values()) < POINTS and runs < POINTS * 2:
         event = plan[min(sum(kills.values()), POINTS - 1)]
@@ -87,6 +87,7 @@ def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
         killed, seen = _run_until(cmd, marker, rng.uniform(0.0, longest))
         spent.append(f"{event} {time.perf_counter() - t:.0f}s")
         runs += 1
+        resumed_runs += "resumed from an interrupted compile" in seen
         if killed:
             kills[event] = kills.get(event, 0) + 1
         else:
@@ -97,12 +98,16 @@ def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
             f"seed {seed}, after a kill at {event}: {[p.describe() for p in report.problems]}")
         for key in store.keys():  # an entry is there only if complete (verify hashed every blob)
             assert store.get(key, record=False).metadata.get("numerics"), key
+            if sum(kills.values()) < POINTS:
+                store.delete(key)  # finished early: compile from scratch again for the next points
         store.close()
     total = sum(kills.values())
     print(f"crash suite (seed {seed}): {total} SIGKILLs survived of {total} "
           f"({', '.join(f'{k} {v}' for k, v in sorted(kills.items()))}), {completed} runs completed "
-          f"unkilled; store verified clean after each ({', '.join(spent)})")
+          f"unkilled, {resumed_runs} runs resumed finished pieces; store verified clean after each "
+          f"({', '.join(spent)})")
     assert total == POINTS
+    assert resumed_runs >= 1, "no run resumed the pieces an earlier, killed run had finished"
 
     final = subprocess.run([PYTHON, "-m", "aotc.cli", "--store", str(root), "compile", str(manifest),
                             "--json"], capture_output=True, text=True, env=python_env(), timeout=600)

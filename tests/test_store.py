@@ -291,3 +291,26 @@ def test_compile_workdirs_gc_only_when_idle_and_old(store: Store) -> None:
     with workdirs.claim(store.tmp_dir, "b" * 32) as last:
         last.finished()
     assert not last.path.exists() and list(store.tmp_dir.iterdir()) == []
+
+
+def test_index_damaged_past_its_first_page_is_reported_and_repaired(tmp_path: Path) -> None:
+    """A page overwritten in the middle of index.sqlite (size and header intact) opens fine;
+    `verify_at` still finds it (quick_check), and --repair sets the file aside."""
+    from aotc.cache import verify_at
+
+    s = Store(tmp_path / "s")
+    for i in range(60):
+        s.put(key(f"k{i}"), f"e{i}", {"x": os.urandom(64), "meta": json.dumps({"i": i}).encode() * 20})
+    s.close()
+    path = s.index_path
+    data = bytearray(path.read_bytes())
+    assert len(data) >= 8 * 4096
+    data[4 * 4096: 5 * 4096] = os.urandom(4096)
+    path.write_bytes(bytes(data))
+    report = verify_at(tmp_path / "s")
+    assert not report.ok and report.index_problem and report.problems[0].kind == "index-corrupt"
+    fixed = verify_at(tmp_path / "s", repair=True, tmp_grace=0)
+    assert fixed.ok and fixed.repaired
+    assert list(path.parent.glob("index.sqlite.corrupt-*"))
+    after = Store(tmp_path / "s")
+    assert after.keys() == [] and verify(after).ok and not list(after.blobs_dir.rglob("*/*"))
