@@ -64,11 +64,12 @@ def toy_manifest(tmp: Path, layers: int, name: str | None = None, **extra) -> Pa
     return path
 
 
-def tiny_manifest(tmp: Path, name: str = "toy-tiny") -> Path:
+def tiny_manifest(tmp: Path, name: str = "toy-tiny", factory: str = "aotc.models.toy_llama:build") -> Path:
     """The cheapest real compile: 1 layer, dynamic shape only (2 unique pieces, 2 Inductor
-    compiles) — for suites that compile in many processes."""
+    compiles) — for suites that compile in many processes. ``factory``: e.g. a copied source
+    file ("mymodel.py:build", relative to ``tmp``) to edit afterwards."""
     data = {"name": name,
-            "model": {"factory": "aotc.models.toy_llama:build",
+            "model": {"factory": factory,
                       "kwargs": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64}},
             "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 64},
                        {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],

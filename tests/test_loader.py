@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import aotc
 from aotc.build import build_model, make_inputs
 from aotc.cache import CacheMiss
 from aotc.errors import InputError, LoadError
 from aotc.manifest import load_manifest
-from tests.conftest import HELPERS, PYTHON, python_env
+from tests.conftest import HELPERS, PYTHON, python_env, tiny_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -99,13 +98,7 @@ def test_changed_source_file_is_a_miss_naming_it(compiled, tmp_path) -> None:
     _tmp, store, _results = compiled
     src = tmp_path / "mymodel.py"
     shutil.copy(Path(aotc.__file__).parent / "models" / "toy_llama.py", src)
-    data = {"name": "edited", "model": {"factory": "mymodel.py:build",
-                                        "kwargs": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64}},
-            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 64},
-                       {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],
-            "splitting_ops": ["aotc::attention"], "max_tokens": 64}
-    manifest = tmp_path / "edited.yaml"
-    manifest.write_text(yaml.safe_dump(data))
+    manifest = tiny_manifest(tmp_path, "edited", factory="mymodel.py:build")
     res = aotc.compile(manifest, store=store)
     assert res.compiles == 2  # 1 layer: first and last piece, dynamic only
     aotc.load(manifest, store=store)  # a hit

@@ -11,10 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 import aotc
-from tests.conftest import PYTHON, copy_store, python_env, toy_manifest
+from tests.conftest import PYTHON, copy_store, python_env, tiny_manifest, toy_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -22,13 +21,7 @@ pytestmark = pytest.mark.slow
 def _source_edit(tmp: Path, root: Path) -> tuple[Path, dict[str, str], str]:
     src = tmp / "stalemodel.py"
     shutil.copy(Path(aotc.__file__).parent / "models" / "toy_llama.py", src)
-    data = {"name": "stale-src", "model": {"factory": "stalemodel.py:build",
-                                           "kwargs": {"layers": 1, "hidden": 32, "heads": 2, "vocab": 64}},
-            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 64},
-                       {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],
-            "splitting_ops": ["aotc::attention"], "max_tokens": 64}
-    manifest = tmp / "stale-src.yaml"
-    manifest.write_text(yaml.safe_dump(data))
+    manifest = tiny_manifest(tmp, "stale-src", factory="stalemodel.py:build")
     aotc.compile(manifest, store=root)
     # a real edit: the MLP's activation changes; the old artifacts would compute the old model
     text = src.read_text()
