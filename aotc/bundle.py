@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import zstandard
-
 from aotc.cache import Entry, Store, blobio
 from aotc.cache.store import BlobRef
 from aotc.errors import AotcError
@@ -39,7 +37,6 @@ from aotc.trust import enforce_payload, valid_signatures
 FORMAT = 1
 RECORD = "aotc-bundle.json"
 MAX_RECORD = 16 << 20
-_CHUNK = 1 << 20
 
 
 class BundleError(AotcError):
@@ -73,8 +70,8 @@ def _info(name: str, size: int) -> tarfile.TarInfo:
 def export_entry(store: Store, key: str, out: str | os.PathLike[str]) -> BundleResult:
     """Write entry ``key`` of ``store`` (every blob verified first) to the bundle file ``out``."""
     entry = store.get(key, record=False)
-    for ref in entry.blobs.values():  # never ship damaged bytes (marks the entry bad if so)
-        _verify(store, entry, ref)
+    for role in entry.blobs:  # never ship damaged bytes (marks the entry bad if so)
+        store.verify_blob(entry, role)
     out = Path(out)
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     digests = sorted({b.digest for b in entry.blobs.values()})
@@ -99,13 +96,6 @@ def export_entry(store: Store, key: str, out: str | os.PathLike[str]) -> BundleR
         for f in files.values():
             f.close()
     return BundleResult(entry.key, entry.name, str(out), len(digests), out.stat().st_size)
-
-
-def _verify(store: Store, entry: Entry, ref: BlobRef) -> None:
-    try:
-        blobio.hash_blob(store.blob_path(ref.digest), ref.digest, ref.size)
-    except blobio.BlobCorrupt as exc:
-        store._corrupt(entry.key, ref, str(exc))  # raises CorruptedCacheError
 
 
 def _record(raw: bytes, where: str) -> dict[str, Any]:
@@ -219,34 +209,24 @@ def _read_all(tar: tarfile.TarFile, member: tarfile.TarInfo, where: str) -> byte
 
 def _stage(store: Store, tar: tarfile.TarFile, member: tarfile.TarInfo, digest: str, size: int,
            where: str) -> Path:
-    """Decompress one blob member into a staging file (at most ``size`` bytes) and check its
-    hash; the file is the input of ``Store.put``."""
-    import hashlib
-
+    """Decompress one blob member into a staging file, verified as the store verifies its own
+    blobs (``blobio.stream_blob``: bounded by ``size``, hashed); the file is the input of
+    ``Store.put``."""
     fd, name = tempfile.mkstemp(prefix=f"import-{digest[:16]}-", dir=store.tmp_dir)
     out = Path(name)
-    hasher, total = hashlib.sha256(), 0
-    src = tar.extractfile(member)
     try:
-        with os.fdopen(fd, "wb") as dst, zstandard.ZstdDecompressor().stream_reader(
-                src, read_across_frames=True) as reader:
-            while chunk := reader.read(_CHUNK):
-                total += len(chunk)
-                if total > size:
-                    raise BundleError(f"{where}: blob {digest[:16]}… decompresses beyond the "
-                                      f"{size} bytes its record says")
-                hasher.update(chunk)
-                dst.write(chunk)
-    except (zstandard.ZstdError, tarfile.TarError, OSError, EOFError) as e:
+        with os.fdopen(fd, "wb") as dst:
+            blobio.stream_blob(tar.extractfile(member), digest, size, dst.write)  # type: ignore[arg-type]
+    except blobio.BlobCorrupt as e:
+        out.unlink(missing_ok=True)
+        raise BundleError(f"{where}: blob {digest[:16]}… refused ({e}): tampered or damaged; "
+                          "nothing was imported") from None
+    except (tarfile.TarError, OSError, EOFError) as e:
         out.unlink(missing_ok=True)
         raise BundleError(f"{where}: blob {digest[:16]}… is truncated or damaged ({e})") from None
     except BaseException:
         out.unlink(missing_ok=True)
         raise
-    if total != size or hasher.hexdigest() != digest:
-        out.unlink(missing_ok=True)
-        raise BundleError(f"{where}: blob {digest[:16]}… does not hash to its name (tampered or "
-                          "damaged); nothing was imported")
     return out
 
 

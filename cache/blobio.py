@@ -92,20 +92,26 @@ def stage_blob(source: BlobSource, staging_dir: Path, level: int = ZSTD_LEVEL) -
 
 
 def stream_blob(
-    blob_path: Path, digest: str, expected_size: int | None, sink: Callable[[bytes], object]
+    blob_path: Path | BinaryIO, digest: str, expected_size: int | None,
+    sink: Callable[[bytes], object],
 ) -> int:
-    """Decompress ``blob_path`` chunk by chunk into ``sink`` while re-hashing; raise ``BlobCorrupt``
-    when the file is missing, unreadable, truncated, or hashes to anything but ``digest``.
+    """Decompress ``blob_path`` (a file, or an open binary stream: a bundle member) chunk by chunk
+    into ``sink`` while re-hashing; raise ``BlobCorrupt`` when the file is missing, unreadable,
+    truncated, decompresses beyond ``expected_size`` (checked as it goes: a zstd bomb stops
+    early), or hashes to anything but ``digest``.
 
     ``sink`` sees bytes before the final hash check: callers must write to a staging place and only
     publish after this returns (``read_blob_bytes`` and the store's extract do)."""
     hasher = hashlib.sha256()
     total = 0
     dctx = zstandard.ZstdDecompressor()
-    try:
-        raw = open(blob_path, "rb")
-    except FileNotFoundError as exc:
-        raise BlobCorrupt("blob file is missing") from exc
+    if isinstance(blob_path, (str, os.PathLike)):
+        try:
+            raw: BinaryIO = open(blob_path, "rb")
+        except FileNotFoundError as exc:
+            raise BlobCorrupt("blob file is missing") from exc
+    else:
+        raw = blob_path
     # Only the blob's own faults become BlobCorrupt; an error of the sink (disk full while
     # writing the copy) or of the OS propagates as-is and never marks a good entry bad.
     with raw, dctx.stream_reader(raw, read_across_frames=True) as reader:
@@ -116,14 +122,16 @@ def stream_blob(
                 raise BlobCorrupt(f"zstd cannot decompress it ({exc})") from exc
             if not chunk:
                 break
-            hasher.update(chunk)
             total += len(chunk)
+            if expected_size is not None and total > expected_size:
+                raise BlobCorrupt(f"decompresses beyond the {expected_size} bytes recorded for it")
+            hasher.update(chunk)
             sink(chunk)
     if expected_size is not None and total != expected_size:
         raise BlobCorrupt(f"decompressed to {total} bytes, the index says {expected_size}")
     actual = hasher.hexdigest()
     if actual != digest:
-        raise BlobCorrupt(f"content hashes to {actual[:16]}…, not to its name")
+        raise BlobCorrupt(f"content does not hash to its name (it hashes to {actual[:16]}…)")
     return total
 
 

@@ -250,6 +250,15 @@ class Store:
             self._corrupt(entry.key, ref, str(exc))
             raise AssertionError("unreachable")  # pragma: no cover
 
+    def verify_blob(self, entry: Entry, role: str) -> None:
+        """Re-hash one blob of ``entry`` without keeping its bytes (``CorruptedCacheError`` and
+        the entry marked bad when it is damaged, as on every read)."""
+        ref = self._ref(entry, role)
+        try:
+            blobio.hash_blob(self.blob_path(ref.digest), ref.digest, ref.size)
+        except blobio.BlobCorrupt as exc:
+            self._corrupt(entry.key, ref, str(exc))
+
     def extract_blob(self, entry: Entry, role: str, dest: str | os.PathLike[str]) -> Path:
         """Stream one blob, verified, to ``dest`` (written beside it first, renamed when good)."""
         ref = self._ref(entry, role)
