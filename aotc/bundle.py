@@ -23,18 +23,15 @@ import json
 import os
 import shutil
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotc.cache import Entry, Store, blobio
-from aotc.cache.store import BlobRef
+from aotc.cache import Store, blobio
+from aotc.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
 from aotc.errors import AotcError
-from aotc.key import compute_key
 from aotc.trust import enforce_payload, valid_signatures
 
-FORMAT = 1
 RECORD = "aotc-bundle.json"
 MAX_RECORD = 16 << 20
 
@@ -78,11 +75,7 @@ def export_entry(store: Store, key: str, out: str | os.PathLike[str]) -> BundleR
     files = {d: open(store.blob_path(d), "rb") for d in digests}  # noqa: SIM115 - closed below
     try:
         stored = {d: os.fstat(f.fileno()).st_size for d, f in files.items()}  # what is written
-        record = {"format": FORMAT, "key": entry.key, "name": entry.name, "factors": entry.factors,
-                  "metadata": entry.metadata,
-                  "blobs": {r: {"digest": b.digest, "size": b.size, "stored_size": stored[b.digest]}
-                            for r, b in sorted(entry.blobs.items())},
-                  "signatures": store.signatures(entry.key)}
+        record = {**build_record(entry, stored), "signatures": store.signatures(entry.key)}
         data = json.dumps(record, sort_keys=True, indent=1).encode()
         with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
             tar.addfile(_info(RECORD, len(data)), io.BytesIO(data))
@@ -96,30 +89,6 @@ def export_entry(store: Store, key: str, out: str | os.PathLike[str]) -> BundleR
         for f in files.values():
             f.close()
     return BundleResult(entry.key, entry.name, str(out), len(digests), out.stat().st_size)
-
-
-def _record(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        rec = json.loads(raw)
-        if not isinstance(rec, dict) or rec.get("format") != FORMAT:
-            raise ValueError(f"format {rec.get('format') if isinstance(rec, dict) else '?'} "
-                             f"(this aotc reads {FORMAT})")
-        if not blobio.is_digest(rec["key"]) or not isinstance(rec["name"], str):
-            raise ValueError("key/name")
-        if not isinstance(rec["factors"], dict) or not isinstance(rec["metadata"], dict):
-            raise ValueError("factors/metadata are not objects")
-        for role, b in rec["blobs"].items():
-            if not (isinstance(role, str) and role and blobio.is_digest(b["digest"])
-                    and isinstance(b["size"], int) and b["size"] >= 0
-                    and isinstance(b["stored_size"], int) and b["stored_size"] >= 0):
-                raise ValueError(f"blob {role!r}")
-        if not isinstance(rec.get("signatures", {}), dict):
-            raise ValueError("signatures")
-        if compute_key(rec["factors"]) != rec["key"]:
-            raise ValueError("its key is not the hash of its factors")
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise BundleError(f"{where}: {RECORD} is not a valid bundle record ({e})") from None
-    return rec
 
 
 def import_bundle(store: Store, path: str | os.PathLike[str],
@@ -137,17 +106,15 @@ def import_bundle(store: Store, path: str | os.PathLike[str],
             if first is None or first.name != RECORD or not first.isreg() or first.size > MAX_RECORD:
                 raise BundleError(f"{where}: the first member must be {RECORD} (at most "
                                   f"{MAX_RECORD >> 20} MiB); is this a bundle from `aotc export`?")
-            rec = _record(_read_all(tar, first, where), where)
-            sizes = {b["digest"]: (b["size"], b["stored_size"]) for b in rec["blobs"].values()}
-            entry = Entry(key=rec["key"], name=rec["name"], factors=rec["factors"],
-                          metadata=rec["metadata"],
-                          blobs={r: BlobRef(r, b["digest"], b["size"], b["stored_size"])
-                                 for r, b in rec["blobs"].items()})
-            sigs = {str(k): str(v) for k, v in rec.get("signatures", {}).items()}
+            try:
+                entry, sigs = parse_record(_read_all(tar, first, where))
+            except ValueError as e:
+                raise BundleError(f"{where}: {RECORD} is not a valid bundle record ({e})") from None
+            sizes = {b.digest: (b.size, b.stored_size) for b in entry.blobs.values()}
             payload = store.signing_payload(entry)
             enforce_payload(payload, sigs, trusted, entry)  # before any blob
             sigs = valid_signatures(payload, sigs)  # a bad one is never stored
-            if _already_there(store, entry):  # the same content: only add its signatures
+            if same_content(store, entry):  # the same content: only add its signatures
                 for public, sig in sigs.items():
                     store.add_signature(entry.key, public, sig)
                 return BundleResult(entry.key, entry.name, where, len(sizes), 0, imported=False)
@@ -173,11 +140,7 @@ def import_bundle(store: Store, path: str | os.PathLike[str],
             if missing:
                 raise BundleError(f"{where}: {len(missing)} blob(s) missing, e.g. {missing[0][:16]}… "
                                   "(a truncated or incomplete bundle)")
-            put = store.put(entry.key, entry.name,
-                            {r: staged[b.digest] for r, b in entry.blobs.items()},
-                            factors=entry.factors, metadata=entry.metadata)
-            if {r: b.digest for r, b in put.blobs.items()} != {r: b.digest for r, b in entry.blobs.items()}:
-                store.delete(entry.key)  # a staging file changed under us: never keep that
+            if not put_staged(store, entry, staged):  # a staging file changed under us
                 raise BundleError(f"{where}: a staged blob changed before it was stored; "
                                   "nothing was imported, try again")
             for public, sig in sigs.items():
@@ -212,26 +175,10 @@ def _stage(store: Store, tar: tarfile.TarFile, member: tarfile.TarInfo, digest: 
     """Decompress one blob member into a staging file, verified as the store verifies its own
     blobs (``blobio.stream_blob``: bounded by ``size``, hashed); the file is the input of
     ``Store.put``."""
-    fd, name = tempfile.mkstemp(prefix=f"import-{digest[:16]}-", dir=store.tmp_dir)
-    out = Path(name)
     try:
-        with os.fdopen(fd, "wb") as dst:
-            blobio.stream_blob(tar.extractfile(member), digest, size, dst.write)  # type: ignore[arg-type]
+        return stage_verified(store, tar.extractfile(member), digest, size)  # type: ignore[arg-type]
     except blobio.BlobCorrupt as e:
-        out.unlink(missing_ok=True)
         raise BundleError(f"{where}: blob {digest[:16]}… refused ({e}): tampered or damaged; "
                           "nothing was imported") from None
     except (tarfile.TarError, OSError, EOFError) as e:
-        out.unlink(missing_ok=True)
         raise BundleError(f"{where}: blob {digest[:16]}… is truncated or damaged ({e})") from None
-    except BaseException:
-        out.unlink(missing_ok=True)
-        raise
-    return out
-
-
-def _already_there(store: Store, entry: Entry) -> bool:
-    if not store.has(entry.key):
-        return False
-    held = store.get(entry.key, record=False)
-    return {r: b.digest for r, b in held.blobs.items()} == {r: b.digest for r, b in entry.blobs.items()}
