@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 from aotc.build import build_model
 from aotc.cache import CacheMiss, Entry, Store
-from aotc.stores import as_manifest, open_store
+from aotc.stores import as_manifest, open_store, split_store
 from aotc.errors import LoadError
 from aotc.manifest import Manifest
 from aotc.program import PROGRAM_ROLE, Program
@@ -42,7 +43,8 @@ def _workdir() -> Path:
     return path
 
 
-def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
+def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any = None,
+                trusted: frozenset[str] = frozenset()) -> Entry:
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
     res = resolve(manifest, store, toolchain, record=True)
@@ -51,6 +53,17 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
         return res.entry
     if res.corrupt is not None:  # the entry for this machine exists but is damaged: say that
         raise res.corrupt
+    if remote is not None:  # pull-through: fetch it, verified, into the local store, then load
+        from aotc.progress import Progress
+        from aotc.sync import pull_for_manifest
+
+        t = time.perf_counter()
+        quiet = not sys.stderr.isatty() and not os.environ.get("AOTC_PROGRESS")
+        pulled = pull_for_manifest(manifest, remote, store, toolchain, trusted, Progress(quiet=quiet))
+        timings.add("pull", time.perf_counter() - t)
+        if pulled is not None:
+            timings.pulled_bytes = pulled.bytes_moved
+            return _find_entry(manifest, store, timings)
     where = manifest.path or manifest.name
     why = ""
     if res.diffs:
@@ -58,7 +71,8 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings) -> Entry:
         changed = [d.path.removeprefix("code.") for d in res.diffs if d.path.startswith("code.")]
         if changed:
             why += f" (changed source file: {', '.join(changed[:3])})"
-    raise CacheMiss(res.probe, hint=f"{manifest.name} is not compiled for this machine{why}; run "
+    where_remote = f" nor in {remote.url}" if remote is not None else ""
+    raise CacheMiss(res.probe, hint=f"{manifest.name} is not compiled for this machine{where_remote}{why}; run "
                                     f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
 
 
@@ -96,22 +110,29 @@ def _use_fast_path() -> bool:
 
 
 def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,
-         device: str | None = None, trust: Any = ()) -> Runner:
+         device: str | None = None, trust: Any = (), remote: Any = None) -> Runner:
     """Warm-start a compiled model (see module doc).
 
     ``manifest_or_key``: a manifest (object or path) — the key is resolved for this machine — or
     a stored key (64 hex chars; then ``model`` is required). ``model``: the module whose
     parameters to bind (the server's own weights); built from the manifest when None.
     ``device`` overrides the manifest's device. ``trust``: public keys (hex) to require a
-    signature by, besides ``AOTC_TRUST_KEYS`` (``aotc.trust``). Raises ``CacheMiss`` naming the
-    fix, ``TrustError`` for an entry the policy refuses.
+    signature by, besides ``AOTC_TRUST_KEYS`` (``aotc.trust``). ``remote``: a remote store
+    (``s3://bucket/prefix`` or an ``aotc.remote.S3Remote``; default ``AOTC_REMOTE``) to pull the
+    entry from on a local miss; ``store="s3://…"`` means that remote in front of the default local
+    store. Raises ``CacheMiss`` naming the fix, ``TrustError`` for an entry the policy refuses.
     """
     timings = Timings()
     trusted = trust_policy(trust)
+    store, remote = split_store(store, remote)
     if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
         if model is None:
             raise LoadError("loading by key needs `model=`: the module whose weights to bind")
         st = open_store(store)
+        if remote is not None and not st.has(manifest_or_key):
+            from aotc.sync import pull_entry
+
+            pull_entry(remote, st, manifest_or_key, trusted)
         entry = st.get(manifest_or_key)
         options = entry.factors.get("inductor", {}).get("patches", {})
         return load_entry(entry, st, model, timings, options=options, trusted=trusted)
@@ -119,7 +140,7 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)
     st = open_store(store, manifest)
-    entry = _find_entry(manifest, st, timings)
+    entry = _find_entry(manifest, st, timings, remote, trusted)
     if model is None:
         t = time.perf_counter()
         model = build_model(manifest)

@@ -1,4 +1,5 @@
-"""Progress on stderr: phase lines, and a bar for pieces × shapes (redrawn in place on a TTY)."""
+"""Progress on stderr: phase lines, and bars for pieces × shapes and for bytes moved (redrawn in
+place on a TTY)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class Progress:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._t0 = time.perf_counter()
         self._open_bar = False
+        self._last_tenth = -1
 
     def _write(self, text: str) -> None:
         if self.quiet:
@@ -37,16 +39,33 @@ class Progress:
         width = 24
         filled = int(width * done / max(total, 1))
         bar = "#" * filled + "-" * (width - filled)
-        line = f"  [{bar}] {done}/{total} {label}"
-        if self.tty:
-            self.stream.write("\r" + line.ljust(78))
-            self._open_bar = done < total
-            if done >= total:
-                self.stream.write("\n")
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        self.step_line(f"  [{bar}] {done}/{total} {label}", done >= total)
 
     def note(self, text: str) -> None:
         """A warning or remark the user should see."""
         self._write(f"  note: {text}")
+
+    def transfer(self, done: int, total: int, label: str) -> None:
+        """Bytes moved of ``total``: a bar redrawn on a TTY; elsewhere a line per tenth."""
+        if self.quiet or total <= 0:
+            return
+        from aotc.cache.humanize import format_size
+
+        tenth = 10 * done // total
+        if not self.tty and done < total and tenth == self._last_tenth:
+            return
+        self._last_tenth = tenth if done < total else -1
+        width = 24
+        bar = "#" * (width * done // total) + "-" * (width - width * done // total)
+        self.step_line(f"  [{bar}] {format_size(done)} / {format_size(total)} {label}", done >= total)
+
+    def step_line(self, line: str, last: bool) -> None:
+        """Draw one progress line (in place on a TTY)."""
+        if self.tty:
+            self.stream.write("\r" + line.ljust(78))
+            self._open_bar = not last
+            if last:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()

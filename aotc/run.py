@@ -12,7 +12,8 @@ from aotc.errors import NumericMismatchError
 
 
 def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = None,
-                 check_eager: bool = False, trust: Sequence[str] = ()) -> dict[str, Any]:
+                 check_eager: bool = False, trust: Sequence[str] = (),
+                 remote: Any = None) -> dict[str, Any]:
     """Load, run each size once, and report as a JSON-able dict (see ``aotc run --help``)."""
     import torch
 
@@ -24,7 +25,7 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
     manifest = as_manifest(manifest_path)
     before = counters_snapshot()
     t = time.perf_counter()
-    runner = load(manifest, store=store, trust=trust)
+    runner = load(manifest, store=store, trust=trust, remote=remote)
     load_seconds = time.perf_counter() - t
     per_size: dict[str, dict[str, Any]] = {}
     worst = 0.0
@@ -48,7 +49,7 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
     after = counters_snapshot()
     report = {
         "name": manifest.name, "key": runner.key, "load_seconds": load_seconds,
-        "phases": dict(runner.timings.phases),
+        "phases": dict(runner.timings.phases), "pulled_bytes": runner.timings.pulled_bytes,
         "traces": after["traces"] - before["traces"] + after["frames_traced"] - before["frames_traced"],
         "compiles": after["inductor_compiles"] - before["inductor_compiles"]
         + after["compiles"] - before["compiles"],

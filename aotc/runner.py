@@ -57,6 +57,7 @@ class Timings:
     """Seconds spent in each phase of a warm start (filled by the loader)."""
 
     phases: dict[str, float] = field(default_factory=dict)
+    pulled_bytes: int = 0  # bytes fetched from a remote store on a local miss (pull-through)
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds

@@ -22,6 +22,19 @@ def open_store(store: Any, manifest: Manifest | None = None) -> Store:
     return Store(default_store_path())
 
 
+def split_store(store: Any, remote: Any = None) -> tuple[Any, Any]:
+    """(local store argument, ``S3Remote`` or None) from what a caller passed: ``store`` may be a
+    remote URL (then the local store is the default one), ``remote`` a URL or an ``S3Remote``;
+    with neither, ``AOTC_REMOTE``."""
+    from aotc.remote import is_remote_url, open_remote
+
+    if is_remote_url(store):
+        store, remote = None, remote or store
+    if remote is None or isinstance(remote, str):
+        remote = open_remote(remote)
+    return store, remote
+
+
 def as_manifest(manifest: Manifest | str | Path) -> Manifest:
     """A ``Manifest`` from a Manifest or a path to one (validated: ``ManifestError`` if bad)."""
     return manifest if isinstance(manifest, Manifest) else load_manifest(manifest)

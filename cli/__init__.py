@@ -14,6 +14,7 @@ import click
 from aotc.cli.bundle_commands import export_command, import_command
 from aotc.cli.common import AppContext, run_guarded
 from aotc.cli.compile_commands import register as register_compile_commands
+from aotc.cli.remote_commands import pull_command, push_command
 from aotc.cli.store_commands import gc_command, inspect_group, verify_command
 from aotc.cli.trust_commands import keygen_command, sign_command
 
@@ -21,13 +22,19 @@ __all__ = ["cli", "main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--store", "store_path", type=click.Path(file_okay=False), default=None,
-              help="Store directory (default: $AOTC_STORE, else $XDG_CACHE_HOME/aotc, else ~/.cache/aotc).")
+@click.option("--store", "store_path", default=None, metavar="DIR|s3://BUCKET/PREFIX",
+              help="Store directory (default: $AOTC_STORE, else $XDG_CACHE_HOME/aotc, else "
+                   "~/.cache/aotc), or a remote store URL (the default directory caches it).")
+@click.option("--remote", "remote_url", default=None, metavar="s3://BUCKET/PREFIX",
+              help="Remote store for push, pull and pull-through (default: $AOTC_REMOTE).")
+@click.option("--endpoint-url", default=None, envvar="AOTC_S3_ENDPOINT", metavar="URL",
+              help="S3-compatible endpoint (default: $AOTC_S3_ENDPOINT, else boto3's configuration).")
 @click.version_option(package_name="aotc")
 @click.pass_context
-def cli(ctx: click.Context, store_path: str | None) -> None:
+def cli(ctx: click.Context, store_path: str | None, remote_url: str | None,
+        endpoint_url: str | None) -> None:
     """aotc: compile a PyTorch model ahead of time, keep the artifacts in a store, warm-start fast."""
-    ctx.obj = AppContext(store_path)
+    ctx.obj = AppContext(store_path, remote_url, endpoint_url)
 
 
 cli.add_command(inspect_group)
@@ -37,6 +44,8 @@ cli.add_command(keygen_command)
 cli.add_command(sign_command)
 cli.add_command(export_command)
 cli.add_command(import_command)
+cli.add_command(push_command)
+cli.add_command(pull_command)
 
 register_compile_commands(cli)  # they import torch inside their callbacks only
 

@@ -21,6 +21,8 @@ def export_command(app: AppContext, target: str, output: str, as_json: bool) -> 
     """Write one entry (TARGET: a manifest — its entry for this machine — or a stored key or
     unique prefix) to a relocatable bundle file."""
     from aotc.bundle import export_entry
+
+    app.local_only("export")
     from aotc.explain import entry_key_for
 
     result = export_entry(app.store, entry_key_for(app.store, target), output)
@@ -42,6 +44,8 @@ def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], as_json
     """Verify BUNDLE completely (every digest; the signature under a trust policy), then add
     its entry to the store. Importing an entry already there does nothing."""
     from aotc.bundle import import_bundle
+
+    app.local_only("import")
     from aotc.trust import trust_policy
 
     result = import_bundle(app.store, Path(bundle), trusted=trust_policy(trust))

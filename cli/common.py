@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -14,18 +15,62 @@ from aotc.cache.store import Store, default_store_path
 
 
 class AppContext:
-    """What the group callback resolves once and every command receives: the store location and,
-    on first use, the ``Store`` itself."""
+    """What the group callback resolves once and every command receives: the local store's
+    location and, on first use, the ``Store`` itself; and the remote store, if any.
 
-    def __init__(self, store_path: str | None) -> None:
-        self.store_path = Path(store_path).expanduser() if store_path else default_store_path()
+    ``--store s3://bucket/prefix`` (or such an ``AOTC_STORE``) makes the remote *the* store:
+    commands that list or verify act on it, ``run`` pulls through it and ``compile`` pushes to
+    it, with the default local store as the cache in front. ``--remote`` / ``AOTC_REMOTE`` only
+    names the remote that ``push``, ``pull`` and ``run`` use."""
+
+    def __init__(self, store_path: str | None, remote_url: str | None = None,
+                 endpoint_url: str | None = None) -> None:
+        from aotc.remote import is_remote_url
+
+        store_path = store_path or os.environ.get("AOTC_STORE") or None
+        self.store_is_remote = is_remote_url(store_path)
+        if self.store_is_remote:
+            self.remote_url: str | None = store_path
+            store_path = None
+        else:
+            self.remote_url = remote_url or os.environ.get("AOTC_REMOTE") or None
+        self.endpoint_url = endpoint_url
+        self.store_path = Path(store_path).expanduser() if store_path else default_store_path({
+            k: v for k, v in os.environ.items() if k != "AOTC_STORE"})
         self._store: Store | None = None
+        self._remote: Any = None
 
     @property
     def store(self) -> Store:
+        """The local store."""
         if self._store is None:
             self._store = Store(self.store_path)
         return self._store
+
+    def remote(self, url: str | None = None, required: str = "") -> Any:
+        """The remote store (``url`` overrides the configured one); with ``required`` (the
+        command's name) a missing remote is an error naming the fix, else None."""
+        from aotc.remote import RemoteError, S3Remote
+
+        if url:
+            return S3Remote(url, self.endpoint_url)
+        if self.remote_url is None:
+            if required:
+                raise RemoteError(f"`aotc {required}` needs a remote store: pass --store "
+                                  "s3://bucket/prefix, --remote URL or set AOTC_REMOTE")
+            return None
+        if self._remote is None:
+            self._remote = S3Remote(self.remote_url, self.endpoint_url)
+        return self._remote
+
+    def local_only(self, command: str) -> None:
+        """Refuse a command that works on a local store when ``--store`` names a remote one."""
+        if self.store_is_remote:
+            from aotc.remote import RemoteError
+
+            raise RemoteError(f"`aotc {command}` works on a local store and --store names the "
+                              f"remote {self.remote_url}; pull what you need first (`aotc pull`) "
+                              "and pass a local --store, or use --remote for the remote")
 
 
 pass_app = click.make_pass_decorator(AppContext)

@@ -42,10 +42,20 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
 
     m = load_manifest(manifest)  # a bad manifest fails before the store is touched
     store = _store_for(ctx, m)
+    app: AppContext = ctx.obj
+    remote = app.remote() if app.store_is_remote else None  # `--store s3://…`: publish there
     result = compile_manifest(m, store=store, force=force, progress=Progress(quiet=quiet), jobs=jobs)
+    pushed = None
+    if remote is not None:
+        from aotc.sync import push_entry
+
+        pushed = push_entry(store, remote, result.key, progress=Progress(quiet=quiet or as_json))
     if as_json:
-        print_json(result.to_json())
+        print_json({**result.to_json(), **({"push": pushed.to_json()} if pushed else {})})
         return
+    if pushed is not None:
+        click.echo(f"{result.name}: pushed to {pushed.remote}: {pushed.blobs_moved} of "
+                   f"{pushed.blobs} blobs, {format_size(pushed.bytes_moved)}")
     if result.hit:
         click.echo(f"{result.name}: up to date, key {result.key[:16]}… "
                    f"({result.pieces} pieces, {result.unique_pieces} unique; "
@@ -75,6 +85,7 @@ def explain_command(ctx: click.Context, targets: tuple[str, ...], as_json: bool)
     from aotc.explain import explain_keys, explain_manifest
     from aotc.manifest import load_manifest
 
+    ctx.obj.local_only("explain")
     if len(targets) == 2:
         report = explain_keys(ctx.obj.store, *targets)
     elif len(targets) == 1:
@@ -118,13 +129,15 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
 
     m = load_manifest(manifest)
     store = _store_for(ctx, m)
-    report = run_manifest(m, sizes, store=store, check_eager=check_eager, trust=trust)
+    report = run_manifest(m, sizes, store=store, check_eager=check_eager, trust=trust,
+                          remote=ctx.obj.remote())
     if as_json:
         print_json(report)
     else:
         phases = ", ".join(f"{k} {v:.3f}s" for k, v in report["phases"].items())
         click.echo(f"{report['name']}: warm start in {report['load_seconds']:.2f}s ({phases}); "
-                   f"traces {report['traces']}, compiles {report['compiles']}")
+                   f"traces {report['traces']}, compiles {report['compiles']}"
+                   + (f"; pulled {format_size(report['pulled_bytes'])}" if report["pulled_bytes"] else ""))
         g = report.get("cudagraphs")
         if g:
             click.echo(f"  CUDA graphs ({g['mode']}): {g['graphs']} captured for sizes "

@@ -30,6 +30,8 @@ def inspect_group() -> None:
 @guard
 def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
     """List the store's entries (a table like `hf cache scan`) and a summary line."""
+    if app.store_is_remote:
+        return _inspect_remote(app, as_json, verbose)
     s = maintenance.scan(app.store)
     if as_json:
         print_json(s.to_json())
@@ -54,6 +56,25 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
         click.echo(f"warning: {w}", err=True)
 
 
+def _inspect_remote(app: AppContext, as_json: bool, verbose: bool) -> None:
+    from aotc.remote_scan import scan_remote
+
+    s = scan_remote(app.remote(required="inspect cache"))
+    if as_json:
+        print_json(s.to_json())
+        return
+    rows = [("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON REMOTE", "PUSHED")]
+    for e in s.entries:
+        rows.append((e.name + (" [BAD]" if e.bad else ""), e.key if verbose else e.key_short,
+                     str(e.blob_count), "-" if e.pieces is None else str(e.pieces), e.size_str,
+                     e.stored_size_str, e.created_str))
+    click.echo(_table(rows) if s.entries else f"remote store {s.url} is empty")
+    click.echo(f"\n{len(s.entries)} entries, {s.blob_count} blobs ({format_size(s.blob_bytes)}), "
+               f"{s.orphan_blobs} unreferenced blobs, {len(s.warnings)} warnings ({s.url})")
+    for w in s.warnings:
+        click.echo(f"warning: {w}", err=True)
+
+
 @click.command("verify")
 @click.option("--repair", is_flag=True, help="Evict bad entries, orphan blobs and stale staging files.")
 @click.option("--signatures", is_flag=True,
@@ -66,7 +87,10 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
 @guard
 def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple[str, ...],
                    as_json: bool) -> None:
-    """Re-hash every blob; exit 1 when any entry is corrupt or missing a blob."""
+    """Re-hash every blob; exit 1 when any entry is corrupt or missing a blob. On a remote store
+    every blob is downloaded; --repair deletes damaged blobs and the entries needing them."""
+    if app.store_is_remote:
+        return _verify_remote(app, repair, as_json)
     report = maintenance.verify_at(app.store_path, repair=repair)
     sig_rows, untrusted = None, False
     if (signatures or trust) and (report.index_problem is None or repair):
@@ -100,6 +124,25 @@ def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple
         sys.exit(1)
 
 
+def _verify_remote(app: AppContext, repair: bool, as_json: bool) -> None:
+    from aotc.remote_scan import verify_remote
+
+    report = verify_remote(app.remote(required="verify"), repair=repair)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        for p in report.problems:
+            click.echo(p)
+        state = "clean" if report.ok else f"{len(report.bad_keys)} bad entries"
+        click.echo(f"verified {report.entries_checked} entries, {report.blobs_checked} blobs, "
+                   f"{format_size(report.bytes_checked)} downloaded: {state} ({report.url})"
+                   + (f"; removed {len(report.removed)} objects" if repair and report.removed else ""))
+        if not report.ok and not repair:
+            echo_err("run `aotc verify --repair` to remove them, then push them again")
+    if not report.ok and not repair:
+        sys.exit(1)
+
+
 @click.command("gc")
 @click.option("--max-size", default=None, metavar="SIZE",
               help="Evict least recently used entries until the store fits (e.g. 10G, 500M).")
@@ -115,6 +158,7 @@ def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple
 def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: float,
                min_idle: float, as_json: bool) -> None:
     """Remove orphan blobs, stale staging files and, with --max-size, the least recently used entries."""
+    app.local_only("gc")
     try:
         limit = None if max_size is None else maintenance.parse_size(max_size)
     except ValueError as exc:

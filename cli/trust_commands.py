@@ -35,6 +35,7 @@ def sign_command(app: AppContext, keys: tuple[str, ...], key_file: str, sign_all
 
     if not keys and not sign_all:
         raise click.UsageError("name the entries to sign (KEYS) or pass --all")
+    app.local_only("sign")  # sign locally, then `aotc push` publishes the signatures
     store = app.store
     targets = store.keys() if sign_all else [resolve_key(store, k) for k in keys]
     signed = {k: sign_entry(store, k, key_file) for k in targets}

@@ -1,0 +1,103 @@
+"""``aotc push`` / ``aotc pull``: entries between the local store and a remote one (``aotc.sync``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aotc.cache.humanize import format_size
+from aotc.cli.common import AppContext, guard, pass_app, print_json
+
+
+def _print(result: Any, as_json: bool, local: Path) -> None:
+    if as_json:
+        return
+    if result.direction == "push":
+        where = f"to {result.remote}"
+    else:
+        where = f"from {result.remote} into {local}"
+    if result.moved:
+        click.echo(f"{result.direction}ed {result.name} {result.key[:16]}… {where}: "
+                   f"{result.blobs_moved} of {result.blobs} blobs, {format_size(result.bytes_moved)} moved"
+                   + (f" ({result.note})" if result.note else ""))
+    else:
+        click.echo(f"{result.name} {result.key[:16]}… is already there ({where}): nothing moved"
+                   + (f"; {result.note}" if result.note else ""))
+
+
+@click.command("push")
+@click.argument("target", required=False)
+@click.option("--to", "url", default=None, metavar="s3://BUCKET/PREFIX",
+              help="The remote store (default: --store / --remote / $AOTC_REMOTE).")
+@click.option("--force", is_flag=True,
+              help="Upload every blob and replace the remote record (repairs a damaged remote entry).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@pass_app
+@guard
+def push_command(app: AppContext, target: str | None, url: str | None, force: bool, quiet: bool,
+                 as_json: bool) -> None:
+    """Upload TARGET's entry (a manifest — its entry for this machine — or a stored key or
+    unique prefix; default: every good entry) to the remote store. Blobs the remote has are
+    not uploaded again; the entry's record is written last."""
+    from aotc.explain import entry_key_for
+    from aotc.progress import Progress
+    from aotc.sync import push_entry
+
+    remote = app.remote(url, required="push")
+    store = app.store
+    keys = [entry_key_for(store, target)] if target else [k for k in store.keys() if store.has(k)]
+    results = [push_entry(store, remote, k, force=force, progress=Progress(quiet=quiet or as_json))
+               for k in keys]
+    if as_json:
+        print_json({"remote": remote.url, "store": str(store.root),
+                    "entries": [r.to_json() for r in results],
+                    "bytes_moved": sum(r.bytes_moved for r in results)})
+        return
+    for r in results:
+        _print(r, as_json, store.root)
+    if not results:
+        click.echo(f"store {store.root} is empty: nothing to push")
+
+
+@click.command("pull")
+@click.argument("target")
+@click.option("--from", "url", default=None, metavar="s3://BUCKET/PREFIX",
+              help="The remote store (default: --store / --remote / $AOTC_REMOTE).")
+@click.option("--trust", multiple=True, metavar="PUBKEY",
+              help="Require a signature by this public key (hex or file); adds to AOTC_TRUST_KEYS.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@pass_app
+@guard
+def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str, ...],
+                 quiet: bool, as_json: bool) -> None:
+    """Download TARGET's entry (a manifest — the remote entry it compiles to on this machine —
+    or a remote key or unique prefix) into the local store, every blob verified first."""
+    from aotc.cache import CacheMiss
+    from aotc.progress import Progress
+    from aotc.sync import pull_entry, pull_for_manifest, remote_key_for
+    from aotc.trust import trust_policy
+
+    remote = app.remote(url, required="pull")
+    store, trusted = app.store, trust_policy(trust)
+    progress = Progress(quiet=quiet or as_json)
+    if Path(target).is_file():
+        from aotc.manifest import load_manifest
+        from aotc.toolchain import machine_factors
+
+        m = load_manifest(target)
+        machine = machine_factors(m.device, store.base / "toolchain")
+        result = pull_for_manifest(m, remote, store, machine, trusted, progress)
+        if result is None:
+            raise CacheMiss("0" * 64, hint=f"{remote.url} has no entry of {m.name} for this machine "
+                                           f"and these sources; `aotc compile {target}` and "
+                                           "`aotc push` it from a build machine")
+    else:
+        result = pull_entry(remote, store, remote_key_for(remote, target), trusted, progress)
+    if as_json:
+        print_json({**result.to_json(), "store": str(store.root)})
+        return
+    _print(result, as_json, store.root)
