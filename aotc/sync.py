@@ -26,6 +26,10 @@ from aotc.remote import RemoteError, S3Remote
 from aotc.trust import enforce_payload, valid_signatures
 
 
+class DamagedRemoteEntry(RemoteError):
+    """A remote entry's record does not parse or names another key."""
+
+
 @dataclass(frozen=True)
 class Transfer:
     """What a push or pull did (``moved`` False: the other side already had the entry)."""
@@ -58,10 +62,10 @@ def remote_entry(remote: S3Remote, key: str) -> Entry | None:
     try:
         entry, _ = parse_record(raw)
     except ValueError as e:
-        raise RemoteError(f"{remote.url}: the record of {key[:16]}… is damaged ({e}); run "
+        raise DamagedRemoteEntry(f"{remote.url}: the record of {key[:16]}… is damaged ({e}); run "
                           f"`aotc --store {remote.url} verify --repair`, then push it again") from None
     if entry.key != key:
-        raise RemoteError(f"{remote.url}: {remote.entry_name(key)} holds the record of another "
+        raise DamagedRemoteEntry(f"{remote.url}: {remote.entry_name(key)} holds the record of another "
                           f"key ({entry.key[:16]}…); run `aotc --store {remote.url} verify --repair`")
     return entry
 
@@ -99,8 +103,8 @@ def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
     digests = sorted({b.digest for b in entry.blobs.values()})
     try:
         held = None if force else remote_entry(remote, key)
-    except RemoteError:
-        held = None  # a damaged remote record: replaced below
+    except DamagedRemoteEntry:
+        held, force = None, True  # replaced below, with every blob checked
     if held is not None:
         _publish_markers(store, remote, entry)
         note = "" if _digests(held) == _digests(entry) else \
@@ -242,8 +246,8 @@ def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any]) 
             continue
         try:
             entry = remote_entry(remote, key)
-        except RemoteError:
-            continue  # damaged: `verify` reports it; another candidate may do
+        except DamagedRemoteEntry:
+            continue  # `verify` reports it; another candidate may do
         if entry is None or entry.metadata.get("probe") != probe:
             continue
         code = entry.factors.get("code", {})

@@ -27,12 +27,13 @@ class AppContext:
                  endpoint_url: str | None = None) -> None:
         from aotc.remote import is_remote_url
 
-        store_path = store_path or os.environ.get("AOTC_STORE") or None
-        self.store_is_remote = is_remote_url(store_path)
-        if self.store_is_remote:
-            self.remote_url: str | None = store_path
-            store_path = None
+        env_store = os.environ.get("AOTC_STORE") or None
+        self.store_is_remote = is_remote_url(store_path or env_store)
+        if self.store_is_remote:  # the local cache: AOTC_STORE if that is a directory
+            self.remote_url: str | None = store_path or env_store
+            store_path = None if is_remote_url(env_store) else env_store
         else:
+            store_path = store_path or env_store
             self.remote_url = remote_url or os.environ.get("AOTC_REMOTE") or None
         self.endpoint_url = endpoint_url
         self.store_path = Path(store_path).expanduser() if store_path else default_store_path({

@@ -99,3 +99,36 @@ def compiled(tmp_path_factory):
     hf.write_text(yaml.safe_dump(data))
     results["hf"] = (hf, compile_manifest(hf, store=store), None, None)
     return tmp, store, results
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3-compatible server (moto's standalone server) on 127.0.0.1 for this session,
+    with the environment pointing boto3 at it; yields a function making a fresh empty bucket."""
+    import itertools
+
+    import boto3
+
+    from tests.helpers.s3server import S3_ENV, s3_server
+
+    saved = {k: os.environ.get(k) for k in [*S3_ENV, "AOTC_S3_ENDPOINT"]}
+    with s3_server(str(tmp_path_factory.mktemp("s3") / "server.log")) as endpoint:
+        os.environ.update(S3_ENV, AOTC_S3_ENDPOINT=endpoint)
+        client = boto3.client("s3", endpoint_url=endpoint)
+        counter = itertools.count()
+
+        def new_bucket() -> str:
+            name = f"fleet-{next(counter)}"
+            client.create_bucket(Bucket=name)
+            return name
+
+        new_bucket.client = client  # type: ignore[attr-defined]
+        new_bucket.endpoint = endpoint  # type: ignore[attr-defined]
+        try:
+            yield new_bucket
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

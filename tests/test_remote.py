@@ -1,0 +1,264 @@
+"""The remote store against a real S3-compatible server (moto's standalone server on 127.0.0.1,
+started by the ``s3`` fixture): push, pull, pull-through warm start in a fresh process, zero-byte
+re-push, damaged remote bytes refused, concurrent and interrupted pushers, trust, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from aotc.cache import Store
+from aotc.cli import cli
+from aotc.remote import RemoteError, S3Remote
+from aotc.remote_scan import scan_remote, verify_remote
+from aotc.sync import pull_entry, push_entry
+from tests.conftest import PYTHON, copy_store, python_env
+
+pytestmark = pytest.mark.slow
+
+
+def _aotc(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``aotc ARGS`` in a fresh process."""
+    res = subprocess.run([PYTHON, "-m", "aotc.cli", *args], capture_output=True, text=True,
+                         env=python_env(), timeout=timeout)
+    if check:
+        assert res.returncode == 0, res.stderr
+    return res
+
+
+def _digests(store: Store, key: str) -> set[str]:
+    return {b.digest for b in store.get(key, record=False).blobs.values()}
+
+
+def _local_files(store: Store) -> list[Path]:
+    return [p for d in (store.blobs_dir, store.tmp_dir) for p in d.rglob("*") if p.is_file()]
+
+
+def test_push_then_pull_through_warm_start_in_a_fresh_process(compiled, s3, tmp_path: Path) -> None:
+    _tmp, store, results = compiled
+    manifest, key = results[2][0], results[2][1].key
+    url = f"s3://{s3()}/team/models"
+    pushed = json.loads(_aotc("--store", str(store.root), "push", key[:12], "--to", url, "--json").stdout)
+    (entry,) = pushed["entries"]
+    assert entry["moved"] and entry["blobs_moved"] == entry["blobs"] == len(_digests(store, key))
+    assert pushed["bytes_moved"] > 0
+
+    # A replica: empty local store, the remote configured. Its first start pulls, verified.
+    replica = tmp_path / "replica"
+    run = ["--store", str(replica), "--remote", url, "run", str(manifest), "--sizes", "1,3,7",
+           "--check-eager", "--json"]
+    first = json.loads(_aotc(*run).stdout)
+    assert first["key"] == key and first["traces"] == 0 and first["compiles"] == 0
+    assert first["pulled_bytes"] == pushed["bytes_moved"]
+    assert "pull" in first["phases"] and first["max_abs_err"] < 1e-4
+    assert all(s["ok"] for s in first["sizes"].values())
+    second = json.loads(_aotc(*run).stdout)  # the local copy now: nothing moves
+    assert second["pulled_bytes"] == 0 and "pull" not in second["phases"]
+    assert Store(replica).keys() == [key]
+
+    # `aotc pull` by manifest into another empty store; then by key prefix: already there.
+    other = tmp_path / "other"
+    pulled = json.loads(_aotc("--store", str(other), "pull", str(manifest), "--from", url,
+                              "--json").stdout)
+    assert pulled["key"] == key and pulled["moved"] and pulled["bytes_moved"] == pushed["bytes_moved"]
+    again = json.loads(_aotc("--store", str(other), "pull", key[:10], "--from", url, "--json").stdout)
+    assert not again["moved"] and again["bytes_moved"] == 0
+    listed = json.loads(_aotc("--store", url, "inspect", "cache", "--json").stdout)
+    assert [e["key"] for e in listed["entries"]] == [key] and listed["warnings"] == []
+
+
+def test_repush_uploads_nothing_and_shared_blobs_go_once(compiled, s3) -> None:
+    _tmp, store, results = compiled
+    k2, k4 = results[2][1].key, results[4][1].key
+    remote = S3Remote(f"s3://{s3()}")
+    first = push_entry(store, remote, k2)
+    assert first.moved and first.blobs_moved == len(_digests(store, k2))
+    again = push_entry(store, remote, k2)
+    assert (again.moved, again.blobs_moved, again.bytes_moved) == (False, 0, 0)
+    second = push_entry(store, remote, k4)  # only the blobs the remote lacks
+    assert second.blobs_moved == len(_digests(store, k4) - _digests(store, k2))
+    # A record lost (say, deleted by hand): pushing again writes it, every blob is a HEAD hit.
+    remote.delete(remote.entry_name(k4))
+    redo = push_entry(store, remote, k4)
+    assert redo.moved and redo.bytes_moved == 0
+    assert {e.key for e in scan_remote(remote).entries} == {k2, k4}
+
+
+def test_damaged_remote_blob_is_refused_then_repaired(compiled, s3, tmp_path: Path) -> None:
+    _tmp, store, results = compiled
+    manifest, key = results[2][0], results[2][1].key
+    bucket = s3()
+    url = f"s3://{bucket}/p"
+    remote = S3Remote(url)
+    push_entry(store, remote, key)
+    entry = store.get(key, record=False)
+    victim = max(entry.blobs.values(), key=lambda b: b.size).digest  # a kernel library
+    name = remote.root + remote.blob_name(victim)
+    raw = bytearray(s3.client.get_object(Bucket=bucket, Key=name)["Body"].read())
+    raw[len(raw) // 2] ^= 0x55
+    s3.client.put_object(Bucket=bucket, Key=name, Body=bytes(raw))
+
+    replica = Store(tmp_path / "replica")
+    with pytest.raises(RemoteError, match=f"blob {victim[:16]}.*damaged.*nothing was pulled"):
+        pull_entry(remote, replica, key)
+    assert replica.keys() == [] and _local_files(replica) == []
+    # The warm-start path refuses it the same way: one line, exit 1, nothing on stdout.
+    res = CliRunner().invoke(cli, ["--store", str(tmp_path / "r2"), "--remote", url, "run",
+                                   str(manifest), "--sizes", "1"])
+    assert res.exit_code == 1 and "damaged" in res.output and "Traceback" not in res.output
+    assert Store(tmp_path / "r2").keys() == []
+
+    res = CliRunner().invoke(cli, ["--store", url, "verify"])
+    assert res.exit_code == 1 and victim[:16] in res.output
+    res = CliRunner().invoke(cli, ["--store", url, "verify", "--repair", "--json"])
+    report = json.loads(res.output)
+    assert res.exit_code == 0 and report["bad_keys"] == [key]
+    assert remote.head(remote.blob_name(victim)) is None and remote.head(remote.entry_name(key)) is None
+    fixed = push_entry(store, remote, key)  # a good store pushes it again: only that blob moves
+    assert fixed.blobs_moved == 1
+    assert verify_remote(remote).ok
+    assert pull_entry(remote, replica, key).moved and replica.keys() == [key]
+
+
+def _watch_records(remote: S3Remote, procs: list[subprocess.Popen]) -> int:
+    """While ``procs`` run: every record visible must name only blobs already on the server.
+    Returns how many times a record was seen."""
+    seen = 0
+    while any(p.poll() is None for p in procs):
+        for obj in remote.list("entries/"):
+            raw = remote.get_bytes(obj.name)
+            if raw is None:
+                continue
+            seen += 1
+            for b in json.loads(raw)["blobs"].values():
+                assert remote.head(remote.blob_name(b["digest"])) is not None, "record before blob"
+        time.sleep(0.02)
+    return seen
+
+
+def test_two_concurrent_pushers_of_one_key(compiled, s3, tmp_path: Path) -> None:
+    _tmp, store, results = compiled
+    key = results[4][1].key
+    copy_store(store.root, tmp_path / "second")  # two build machines with the same entry
+    url = f"s3://{s3()}/shared"
+    remote = S3Remote(url)
+    procs = [subprocess.Popen([PYTHON, "-m", "aotc.cli", "--store", str(root), "push", key,
+                               "--to", url, "--json"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=python_env())
+             for root in (store.root, tmp_path / "second")]
+    _watch_records(remote, procs)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e for _o, e in outs]
+    assert [o.name for o in remote.list("entries/")] == [f"entries/{key}.json"]
+    assert {o.name.removeprefix("blobs/") for o in remote.list("blobs/")} == _digests(store, key)
+    assert verify_remote(remote).ok
+    replica = Store(tmp_path / "replica")
+    assert pull_entry(remote, replica, key).moved and replica.keys() == [key]
+
+
+def test_interrupted_push_never_publishes_a_partial_entry(compiled, s3) -> None:
+    _tmp, store, results = compiled
+    key = results["hf"][1].key
+    url = f"s3://{s3()}"
+    remote = S3Remote(url)
+    proc = subprocess.Popen([PYTHON, "-m", "aotc.cli", "--store", str(store.root), "push", key,
+                             "--to", url, "-q"], env=python_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not any(True for _ in remote.list("blobs/")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    blobs_before = {o.name for o in remote.list("blobs/")}
+    records = [o.name for o in remote.list("entries/")]
+    total = len(_digests(store, key))
+    print(f"push killed with {len(blobs_before)} of {total} blobs uploaded, record "
+          f"{'written' if records else 'not written'}")
+    if records:  # it finished before the kill landed: then everything is there
+        assert len(blobs_before) == total
+    else:
+        assert 0 < len(blobs_before) <= total
+    resumed = push_entry(store, remote, key)
+    assert resumed.blobs_moved == (0 if records else total - len(blobs_before))
+    assert verify_remote(remote).ok and [e.key for e in scan_remote(remote).entries] == [key]
+
+
+def test_trust_policy_applies_to_pulls(compiled, s3, tmp_path: Path) -> None:
+    from aotc.trust import TrustError, generate_key, sign_entry
+
+    _tmp, store, results = compiled
+    k2, k4 = results[2][1].key, results[4][1].key
+    signer = tmp_path / "signer.key"
+    public = generate_key(signer)
+    signed_store = tmp_path / "signed"
+    copy_store(store.root, signed_store)
+    local = Store(signed_store)
+    sign_entry(local, k2, signer)
+    remote = S3Remote(f"s3://{s3()}")
+    push_entry(local, remote, k2)
+    push_entry(local, remote, k4)  # unsigned
+
+    replica = Store(tmp_path / "replica")
+    assert pull_entry(remote, replica, k2, trusted=frozenset({public})).moved
+    assert replica.signatures(k2) == local.signatures(k2)
+    with pytest.raises(TrustError):
+        pull_entry(remote, replica, k4, trusted=frozenset({public}))
+    assert replica.keys() == [k2]
+    # A forged signature object beside a remote entry is refused under the policy, never stored.
+    remote.put(remote.signature_name(k4, public), b"00" * 64)
+    with pytest.raises(TrustError):
+        pull_entry(remote, replica, k4, trusted=frozenset({public}))
+    assert pull_entry(remote, replica, k4).moved and replica.signatures(k4) == {}
+
+
+def test_damaged_remote_record_and_cli_errors(compiled, s3, tmp_path: Path) -> None:
+    _tmp, store, results = compiled
+    key = results[2][1].key
+    bucket = s3()
+    url = f"s3://{bucket}"
+    remote = S3Remote(url)
+    push_entry(store, remote, key)
+    s3.client.put_object(Bucket=bucket, Key=remote.root + remote.entry_name(key), Body=b"{not json")
+    local = str(tmp_path / "local")
+    runner = CliRunner()
+
+    def err(*args: str) -> str:
+        res = runner.invoke(cli, list(args))
+        assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+        assert len(res.output.strip().splitlines()) == 1, res.output
+        return res.output
+
+    assert "record of" in err("--store", local, "pull", key, "--from", url) \
+        and "damaged" in err("--store", local, "pull", key, "--from", url)
+    res = runner.invoke(cli, ["--store", url, "inspect", "cache"])
+    assert res.exit_code == 0 and "[BAD]" in res.output
+    fixed = push_entry(store, remote, key)  # a damaged record is replaced by a push
+    assert fixed.moved and pull_entry(remote, Store(local), key).moved
+
+    assert "needs a remote store" in err("--store", local, "push")
+    assert "no valid bucket" in err("--store", local, "push", "--to", "s3://")
+    assert "does not exist" in err("--store", local, "pull", key, "--from", "s3://no-such-bucket")
+    assert "cannot reach" in err("--endpoint-url", "http://127.0.0.1:9", "--store", local,
+                                 "pull", key, "--from", url)
+    assert "works on a local store" in err("--store", url, "gc")
+    assert "no entries of" in err("--store", local, "pull", "ab" * 32, "--from", url)
+
+
+def test_compile_with_a_remote_store_publishes(compiled, s3) -> None:
+    """``--store s3://…`` with ``AOTC_STORE`` a directory: compile (a hit here) then push."""
+    _tmp, store, results = compiled
+    manifest, key = results[2][0], results[2][1].key
+    url = f"s3://{s3()}/ci"
+    res = CliRunner(env={"AOTC_STORE": str(store.root)}).invoke(
+        cli, ["--store", url, "compile", str(manifest), "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["key"] == key and out["push"]["blobs_moved"] == len(_digests(store, key))
+    assert os.environ.get("AOTC_STORE") is None  # the runner's env did not leak
