@@ -4,7 +4,7 @@
 
 CONFIG: {"mode", "manifest", "store", "first_tokens", "steady_sizes", "steady_iters",
 "threads", "mega_save", "mega_load"}; mode is one of eager, tc-cold, tc-warm, tc-mega,
-aotc-cold, aotc-warm, or steady-pair: aotc warm and torch.compile warm in ONE process, timed in
+aotc-cold, aotc-warm, aotc-remote (a load that pulls through cfg['remote']), or steady-pair: aotc warm and torch.compile warm in ONE process, timed in
 alternating blocks (the order flips each round) so both see the same machine state — the
 steady-state ratio's measurement (the cache directories are set by the parent through the
 environment).
@@ -102,8 +102,11 @@ def main() -> None:
             aotc.compile(m, store=cfg["store"], force=True, jobs=int(cfg.get("aotc_jobs", 1)))
             phases["aotc_compile"] = time.perf_counter() - t
         t_load = time.perf_counter()
-        fn = aotc.load(m, model=model, store=cfg["store"])
+        fn = aotc.load(m, model=model, store=cfg["store"], remote=cfg.get("remote"))
         phases["aotc_load"] = time.perf_counter() - t_load
+        if "pull" in fn.timings.phases:
+            phases["aotc_pull"] = fn.timings.phases["pull"]
+        phases["aotc_resolve"] = fn.timings.phases.get("resolve", 0.0)  # toolchain facts, lookup
     phases["prepare"] = time.perf_counter() - t
     t = time.perf_counter()
     with torch.no_grad():
@@ -137,6 +140,7 @@ def main() -> None:
         "phases": phases, "steady_ms": steady, "output_shape": list(y.shape), "pair": pair,
         "counters_first_output": at_first_output, "counters_end": _counters(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "pulled_bytes": getattr(getattr(fn, "timings", None), "pulled_bytes", 0),
     }))
 
 

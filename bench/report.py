@@ -6,7 +6,7 @@ from typing import Any
 
 NAMES = {"eager": "eager", "tc-cold": "torch.compile cold", "tc-warm": "torch.compile warm",
          "tc-mega": "torch.compile + Mega-Cache", "aotc-cold": "aotc cold",
-         "aotc-warm": "aotc warm"}
+         "aotc-warm": "aotc warm", "aotc-remote": "aotc warm, pulled from the remote (empty local store)"}
 
 
 def _div(a: float | None, b: float | None) -> float | None:
@@ -47,6 +47,17 @@ def ratios_and_targets(results: dict[str, Any]) -> dict[str, Any]:
         "aotc_steady_over_tc_steady": steady,
         "cold_compile_32L_over_2L": scaling,
     }
+    if "aotc-remote" in c and "aotc-warm" in c:  # the fleet figures: pull-through vs local
+        remote, pushes = c["aotc-remote"], results.get("pushes") or []
+        ratios["remote"] = {
+            "ttfo_over_local_warm": _div(remote["ttfo_median"], c["aotc-warm"]["ttfo_median"]),
+            "load_s": remote["phases"].get("aotc_load"), "pull_s": remote["phases"].get("aotc_pull"),
+            "resolve_s": remote["phases"].get("aotc_resolve"),
+            "local_resolve_s": c["aotc-warm"]["phases"].get("aotc_resolve"),
+            "local_load_s": loader, "pulled_bytes": remote.get("pulled_bytes"),
+            "push_s": pushes[-1]["seconds"] if pushes else None,
+            "pushed_bytes": pushes[-1]["bytes"] if pushes else None,
+            "pushed_blobs": pushes[-1]["blobs"] if pushes else None}
 
     def le(value: float | None, limit: float) -> bool | None:
         return None if value is None else value <= limit
@@ -109,6 +120,12 @@ def markdown(results: dict[str, Any]) -> str:
         how = (f" (one process, {p['rounds']} alternating rounds: {p['aotc_ms']:.3f} vs "
                f"{p['tc_ms']:.3f} ms, round ratios {p['ratio_min']:.2f}–{p['ratio_max']:.2f})") if p else ""
         lines.append(f"| aotc steady / torch.compile warm steady, {n} tokens{how} | {_f(v, '.3f')} |")
+    rem = r.get("remote")
+    if rem:
+        lines += [
+            f"| aotc warm from the remote / from the local store, time to first output | {_f(rem['ttfo_over_local_warm'], '.3f')} |",
+            f"| aotc loader s: pulling through the remote (of which pull; lookup incl. this machine's first toolchain facts) vs local (lookup) | {_f(rem['load_s'], '.3f')} ({_f(rem['pull_s'], '.3f')}; {_f(rem['resolve_s'], '.3f')}) vs {_f(rem['local_load_s'], '.3f')} ({_f(rem['local_resolve_s'], '.3f')}) |",
+            f"| bytes moved: pulled by a replica / pushed by the build machine (blobs, push s) | {rem['pulled_bytes']:.0f} / {rem['pushed_bytes']} ({rem['pushed_blobs']}, {_f(rem['push_s'])}) |"]
     lines += [f"| cold compile 32 layers / 2 layers | {_f(r['cold_compile_32L_over_2L'], '.3f')} |",
               "", "| target | value | met |", "|---|---|---|"]
     for name, t in results["targets"].items():

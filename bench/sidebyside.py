@@ -10,7 +10,9 @@ Every start is a fresh interpreter (bench/child.py) timed from its spawn to its 
 tensor, with the same model, weights, first input (7 tokens) and thread count. Contenders:
 eager; torch.compile cold (empty Inductor cache dir) and warm (the same dir, hot); torch.compile
 with Mega-Cache (artifacts saved by a cold run, loaded into an empty cache dir); aotc cold
-(``aotc compile -j THREADS`` into an empty store, then load) and warm (load from that store). Writes
+(``aotc compile -j THREADS`` into an empty store, then load) and warm (load from that store); aotc
+remote (that store pushed to an S3-compatible server — moto's, on loopback — then a load into an
+empty local store that pulls the entry through, verified). Writes
 ``results/latest.json`` (machine, every raw figure) and ``results/latest.md`` (the table,
 ratios and targets, also printed).
 """
@@ -27,8 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -38,7 +41,7 @@ sys.path.insert(0, str(HERE))
 
 from report import markdown, ratios_and_targets  # noqa: E402
 
-CONTENDERS = ("eager", "tc-cold", "tc-warm", "tc-mega", "aotc-cold", "aotc-warm")
+CONTENDERS = ("eager", "tc-cold", "tc-warm", "tc-mega", "aotc-cold", "aotc-warm", "aotc-remote")
 SIZE_SETS = {1: [16], 5: [1, 2, 4, 8, 16], 10: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
 
 
@@ -75,6 +78,8 @@ class Bench:
         self.manifest, self.work, self.runs, self.threads = manifest, work, runs, threads
         self.steady_sizes, self.steady_iters = steady_sizes, steady_iters
         self.pair: dict[str, Any] = {}  # the paired steady-state measurement (steady-pair)
+        self.remote: str | None = None  # s3://bucket when the aotc-remote contender runs
+        self.pushes: list[dict[str, Any]] = []
         self.base_env = {k: v for k, v in os.environ.items()
                          if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "AOTC_"))}
         self.base_env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads))
@@ -113,11 +118,16 @@ class Bench:
                 out["tc-mega"].append(self._one("tc-mega", self._fresh("ind-mega"),
                                                 self.work / "none", mega_load=str(mega)))
             store = self._fresh("store")
-            if {"aotc-cold", "aotc-warm"} & set(only):
+            if {"aotc-cold", "aotc-warm", "aotc-remote"} & set(only):
                 out.setdefault("aotc-cold", []).append(
                     self._one("aotc-cold", self._fresh("ind-aotc"), store))
             if "aotc-warm" in only:
                 out["aotc-warm"].append(self._one("aotc-warm", self._fresh("ind-aotc2"), store))
+            if "aotc-remote" in only and self.remote:
+                url = f"{self.remote}/run{i}"
+                self.pushes.append(self._push(store, url))
+                out["aotc-remote"].append(self._one("aotc-remote", self._fresh("ind-aotc3"),
+                                                    self._fresh("replica"), remote=url))
             if i == self.runs - 1 and self.steady_sizes and {"tc-warm", "aotc-warm"} <= set(only):
                 # the steady-state ratio: both warm, one process, alternating blocks
                 self.pair = run_child(self._cfg("steady-pair", store), self._env(ind))["pair"]
@@ -126,9 +136,42 @@ class Bench:
 
     def _one(self, mode: str, inductor_dir: Path, store: Path, **extra: Any) -> dict[str, Any]:
         res = run_child(self._cfg(mode, store, **extra), self._env(inductor_dir))
+        pulled = f", pulled {res['pulled_bytes']} B" if res.get("pulled_bytes") else ""
         say(f"  {mode:10s} first output {res['ttfo']:7.2f}s  (compiles "
-            f"{res['counters_end']['inductor_compiles']}, traces {res['counters_end']['dynamo_frames']})")
+            f"{res['counters_end']['inductor_compiles']}, traces {res['counters_end']['dynamo_frames']}{pulled})")
         return res
+
+    def _push(self, store: Path, url: str) -> dict[str, Any]:
+        """``aotc push`` the store's entries to ``url`` in a fresh process (what a build machine
+        runs after compiling)."""
+        t = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "aotc.cli", "--store", str(store), "push",
+                              "--to", url, "--json", "-q"], env=self.base_env, capture_output=True,
+                             text=True, cwd=ROOT, timeout=600, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"aotc push failed:\n{out.stderr[-4000:]}")
+        res = json.loads(out.stdout)
+        res = {"seconds": time.perf_counter() - t, "bytes": res["bytes_moved"],
+               "blobs": sum(e["blobs_moved"] for e in res["entries"])}
+        say(f"  push       {res['seconds']:7.2f}s  ({res['blobs']} blobs, {res['bytes']} B)")
+        return res
+
+
+@contextmanager
+def remote_store(work: Path, env: dict[str, str]) -> Iterator[str]:
+    """An S3-compatible server (moto's standalone server, tests/helpers/s3server.py) on loopback
+    with one bucket; ``env`` is pointed at it. Yields ``s3://bucket``."""
+    sys.path.insert(0, str(ROOT))
+    import boto3
+
+    from tests.helpers.s3server import S3_ENV, s3_server
+
+    with s3_server(str(work / "s3.log")) as endpoint:
+        env.update(S3_ENV, AOTC_S3_ENDPOINT=endpoint)
+        boto3.client("s3", endpoint_url=endpoint, **{k.lower(): env[k] for k in (
+            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}, region_name="us-east-1"
+        ).create_bucket(Bucket="aotc-bench")
+        yield "s3://aotc-bench"
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -140,7 +183,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "ttfo_max": max(ttfo), "phases": phases, "steady_ms": steady,
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
             "counters": runs[-1]["counters_end"],
-            "counters_first_output": runs[-1]["counters_first_output"]}
+            "counters_first_output": runs[-1]["counters_first_output"],
+            "pulled_bytes": statistics.median(r.get("pulled_bytes", 0) for r in runs)}
 
 
 def machine() -> dict[str, Any]:
@@ -174,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steady", default="1,16,256", help="steady-state token counts")
     ap.add_argument("--steady-iters", type=int, default=None)
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--only", default=",".join(CONTENDERS),
+                    help="comma-separated contenders to run (default: all)")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     layers = args.layers or (2 if args.quick else 8)
@@ -183,12 +229,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scaling = not (args.quick or args.no_scaling)
     steady = [int(s) for s in args.steady.split(",") if s]
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="aotc-bench-") as tmp:
+    only = tuple(c for c in args.only.split(",") if c)
+    unknown = set(only) - set(CONTENDERS)
+    if unknown:
+        ap.error(f"--only: unknown contender(s) {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
+    with tempfile.TemporaryDirectory(prefix="aotc-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         main_manifest = write_manifest(work, layers, n_sizes, args.hidden)
         bench = Bench(main_manifest, work, runs, args.threads, steady, steady_iters)
+        if "aotc-remote" in only:
+            bench.remote = stack.enter_context(remote_store(work, bench.base_env))
         say(f"== contenders: toy-llama {layers} layers, {n_sizes} compile sizes, {runs} run(s) ==")
-        raw = bench.contenders()
+        raw = bench.contenders(only)
         cold_compile: dict[str, float] = {f"{layers}L-{n_sizes}s": statistics.median(
             r["phases"]["aotc_compile"] for r in raw["aotc-cold"])}
         if scaling:
@@ -208,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "steady_sizes": steady, "steady_iters": steady_iters, "quick": args.quick},
         "contenders": {k: summarize(v) for k, v in raw.items()},
         "raw": raw, "cold_compile_s": cold_compile, "steady_pair": bench.pair,
+        "pushes": bench.pushes,
         "bench_seconds": time.perf_counter() - t_start,
     }
     results.update(ratios_and_targets(results))
