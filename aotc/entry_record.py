@@ -70,7 +70,11 @@ def stage_verified(store: Store, stream: BinaryIO, digest: str, size: int) -> Pa
     """Decompress one zstd blob from ``stream`` into a new staging file of ``store``, verified
     as the store verifies its own blobs (bounded by ``size``, hashed to ``digest``). Raises
     ``blobio.BlobCorrupt`` (bad bytes) or ``OSError``; nothing is left behind on failure."""
-    fd, name = tempfile.mkstemp(prefix=f"stage-{digest[:16]}-", dir=store.tmp_dir)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f"stage-{digest[:16]}-", dir=store.tmp_dir)
+    except BaseException:
+        stream.close()
+        raise
     out = Path(name)
     try:
         with os.fdopen(fd, "wb") as dst:

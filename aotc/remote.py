@@ -18,6 +18,7 @@ S3-compatible server. boto3 is imported only when a remote is used.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
 
@@ -33,6 +34,14 @@ class RemoteError(AotcError):
     """A remote store cannot be reached or used, or holds something damaged (named, with the fix)."""
 
     exit_code = 1
+
+
+class MissingObject(RemoteError):
+    """A remote object that should be there is not."""
+
+
+class OversizedObject(RemoteError):
+    """A remote object is larger than anything aotc writes under that name."""
 
 
 def is_remote_url(text: object) -> bool:
@@ -72,17 +81,36 @@ class S3Remote:
         self.bucket = bucket
         self.root = (f"{prefix}/" if prefix else "") + f"{LAYOUT}/"
         self.endpoint_url = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
-        boto3, botocore = _boto3()
-        self._boto3, self._botocore = boto3, botocore
-        self.errors = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
-        config = botocore.config.Config(retries={"max_attempts": 4, "mode": "standard"},
-                                        connect_timeout=10, read_timeout=120)
-        try:
-            self.client = boto3.session.Session().client("s3", endpoint_url=self.endpoint_url,
-                                                         config=config)
-        except (botocore.exceptions.BotoCoreError, ValueError) as e:
-            raise RemoteError(f"{self.url}: cannot set up the S3 client ({e}); check "
-                              f"--endpoint-url / {ENDPOINT_ENV} and the AWS configuration") from None
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client, made on first use (boto3 is imported only then)."""
+        if self._client is None:
+            boto3, botocore = _boto3()
+            config = botocore.config.Config(retries={"max_attempts": 4, "mode": "standard"},
+                                            connect_timeout=10, read_timeout=120)
+            try:
+                self._client = boto3.session.Session().client(
+                    "s3", endpoint_url=self.endpoint_url, config=config)
+            except (botocore.exceptions.BotoCoreError, ValueError) as e:
+                raise RemoteError(f"{self.url}: cannot set up the S3 client ({e}); check "
+                                  f"--endpoint-url / {ENDPOINT_ENV} and the AWS configuration") from None
+        return self._client
+
+    @property
+    def _boto3(self) -> Any:
+        return _boto3()[0]
+
+    @property
+    def _botocore(self) -> Any:
+        return _boto3()[1]
+
+    @property
+    def errors(self) -> tuple[type[Exception], ...]:
+        """The exceptions boto3 raises for a failed request or a broken transfer."""
+        ex = self._botocore.exceptions
+        return (ex.BotoCoreError, ex.ClientError)
 
     def __repr__(self) -> str:
         return f"S3Remote({self.url!r})"
@@ -156,17 +184,28 @@ class S3Remote:
             raise self._fail(e, f"GET {name}") from None
         except self._botocore.exceptions.BotoCoreError as e:
             raise self._fail(e, f"GET {name}") from None
-        if int(resp.get("ContentLength", 0)) > limit:
-            resp["Body"].close()
-            raise RemoteError(f"{self.url}: {name} is larger than {limit} bytes: not an aotc record")
+        body = resp["Body"]
         try:
-            return resp["Body"].read()
+            data = body.read(limit + 1)
         except (self._botocore.exceptions.BotoCoreError, OSError) as e:
             raise self._fail(e, f"GET {name}") from None
+        finally:
+            body.close()
+        if len(data) > limit:
+            raise OversizedObject(f"{self.url}: {name} is larger than {limit} bytes: not written "
+                                  "by aotc")
+        return data
 
     def open(self, name: str) -> tuple[BinaryIO, int]:
-        """A stream of object ``name`` and its size (``RemoteError`` when it is missing)."""
-        resp = self._call(f"GET {name}", self.client.get_object, Key=self.root + name)
+        """A stream of object ``name`` and its size (``MissingObject`` when there is none)."""
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.root + name)
+        except self._botocore.exceptions.ClientError as e:
+            if self._code(e) in ("404", "NoSuchKey", "NotFound"):
+                raise MissingObject(f"{self.url}: {name} is missing") from None
+            raise self._fail(e, f"GET {name}") from None
+        except self._botocore.exceptions.BotoCoreError as e:
+            raise self._fail(e, f"GET {name}") from None
         return resp["Body"], int(resp.get("ContentLength", 0))
 
     def put(self, name: str, body: bytes | BinaryIO, if_absent: bool = False) -> bool:
@@ -175,17 +214,25 @@ class S3Remote:
         HEAD then PUT."""
         kwargs: dict[str, Any] = {"Key": self.root + name, "Body": body}
         if if_absent:
-            try:
-                self.client.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
-                return True
-            except self._botocore.exceptions.ClientError as e:
-                code = self._code(e)
-                if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                    return False
-                if code not in ("NotImplemented", "501"):
+            for attempt in range(5):
+                if hasattr(body, "seek"):
+                    body.seek(0)  # type: ignore[union-attr]
+                try:
+                    self.client.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
+                    return True
+                except self._botocore.exceptions.ClientError as e:
+                    code = self._code(e)
+                    if code in ("PreconditionFailed", "412"):
+                        return False
+                    if code in ("ConditionalRequestConflict", "409") and attempt < 4:
+                        time.sleep(0.2 * (attempt + 1))  # a concurrent write in flight: retry
+                        continue
+                    if code not in ("NotImplemented", "501"):
+                        raise self._fail(e, f"PUT {name}") from None
+                except self._botocore.exceptions.BotoCoreError as e:
                     raise self._fail(e, f"PUT {name}") from None
-            except self._botocore.exceptions.BotoCoreError as e:
-                raise self._fail(e, f"PUT {name}") from None
+                break
+            # a server without conditional writes: HEAD then PUT (last writer wins in a race)
             if self.head(name) is not None:
                 return False
             if hasattr(body, "seek"):
@@ -202,6 +249,9 @@ class S3Remote:
             raise self._fail(e, f"upload of {name}") from None
         except self._boto3.exceptions.S3UploadFailedError as e:
             raise RemoteError(f"{self.url}: upload of {name} failed: {e}") from None
+        except OSError as e:
+            raise RemoteError(f"{self.url}: upload of {name} failed reading the local file ({e}); "
+                              "a concurrent `aotc gc`? push again") from None
 
     def delete(self, name: str) -> None:
         """Remove object ``name`` (no error when it is already gone)."""

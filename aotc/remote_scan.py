@@ -10,8 +10,8 @@ from typing import Any
 
 from aotc.cache import blobio
 from aotc.cache.scan import EntryInfo
-from aotc.entry_record import parse_record
-from aotc.remote import RemoteError, S3Remote
+from aotc.remote import MissingObject, RemoteError, S3Remote
+from aotc.sync import DamagedRemoteEntry, remote_entry
 
 
 @dataclass(frozen=True)
@@ -39,17 +39,14 @@ def _records(remote: S3Remote) -> tuple[list[tuple[str, float, Any]], list[str]]
         if not obj.name.endswith(".json") or not blobio.is_digest(key):
             warnings.append(f"unexpected object {obj.name}")
             continue
-        raw = remote.get_bytes(obj.name)
-        if raw is None:  # deleted since the listing
-            continue
         try:
-            entry, _ = parse_record(raw)
-            if entry.key != key:
-                raise ValueError(f"it holds the record of {entry.key[:16]}…")
-            out.append((key, obj.modified, entry))
-        except ValueError as e:
+            entry = remote_entry(remote, key)
+        except DamagedRemoteEntry as e:
             out.append((key, obj.modified, f"record is damaged ({e})"))
-            warnings.append(f"entry {key[:16]}…: record is damaged ({e})")
+            warnings.append(f"entry {key[:16]}…: record is damaged")
+            continue
+        if entry is not None:  # else deleted since the listing
+            out.append((key, obj.modified, entry))
     return out, warnings
 
 
@@ -118,23 +115,24 @@ def verify_remote(remote: S3Remote, repair: bool = False) -> RemoteVerify:
         bad = False
         for role, ref in sorted(entry.blobs.items()):
             if ref.digest not in verdict:
-                verdict[ref.digest] = _check_blob(remote, ref.digest, ref.size, report)
+                verdict[ref.digest] = _check_blob(remote, ref.digest, ref.size, ref.stored_size,
+                                                  report)
             if verdict[ref.digest] is not None:
                 report.problems.append(f"entry {key[:16]}… {entry.name}: blob {role!r} "
                                        f"{ref.digest[:16]}… {verdict[ref.digest]}")
                 bad = True
         if bad:
             report.bad_keys.append(key)
-    if repair:
+    if repair:  # records (with markers and signatures) first: no reader meets a record whose
+        for key in report.bad_keys:  # blob is being deleted
+            for obj in [*_markers(remote, key), *remote.list(f"signatures/{key}/")]:
+                remote.delete(obj.name)
+            remote.delete(remote.entry_name(key))
+            report.removed.append(remote.entry_name(key))
         for digest, problem in verdict.items():
             if problem is not None and problem != "is missing":
                 remote.delete(remote.blob_name(digest))
                 report.removed.append(remote.blob_name(digest))
-        for key in report.bad_keys:
-            for obj in [*remote.list(f"signatures/{key}/"), *_markers(remote, key)]:
-                remote.delete(obj.name)
-            remote.delete(remote.entry_name(key))  # last: markers never outlive it unseen
-            report.removed.append(remote.entry_name(key))
     return report
 
 
@@ -142,12 +140,18 @@ def _markers(remote: S3Remote, key: str) -> list[Any]:
     return [o for o in remote.list("probes/") if o.name.endswith("/" + key)]
 
 
-def _check_blob(remote: S3Remote, digest: str, size: int, report: RemoteVerify) -> str | None:
-    """None when the remote blob decompresses to ``size`` bytes hashing to ``digest``."""
-    if remote.head(remote.blob_name(digest)) is None:
+def _check_blob(remote: S3Remote, digest: str, size: int, stored_size: int,
+                report: RemoteVerify) -> str | None:
+    """None when the remote blob is ``stored_size`` bytes at most and decompresses to ``size``
+    bytes hashing to ``digest``."""
+    try:
+        body, length = remote.open(remote.blob_name(digest))
+    except MissingObject:
         return "is missing"
-    body, length = remote.open(remote.blob_name(digest))
     report.blobs_checked += 1
+    if length > stored_size:  # padding a pull would refuse
+        body.close()
+        return f"is damaged ({length} bytes on the server, its record says {stored_size})"
     report.bytes_checked += length
     try:
         blobio.hash_blob(body, digest, size)  # type: ignore[arg-type]

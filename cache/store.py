@@ -339,7 +339,8 @@ class Store:
         return delete_entries(self, [key])
 
     # -- signatures (the cryptography is in aotc.trust; the store keeps the rows) -----------
-    def signing_payload(self, entry: Entry) -> bytes:
+    @staticmethod
+    def signing_payload(entry: Entry) -> bytes:
         """The bytes a signature covers: the entry's record (key, name, factors, metadata) and
         every blob's role and digest, as canonical JSON."""
         record = {"format": 1, "key": entry.key, "name": entry.name, "factors": entry.factors,

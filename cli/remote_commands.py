@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
 from aotc.cache.humanize import format_size
-from aotc.cli.common import AppContext, guard, pass_app, print_json
+from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
 
 
 def _print(result: Any, as_json: bool, local: Path) -> None:
@@ -46,20 +47,33 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
     from aotc.progress import Progress
     from aotc.sync import push_entry
 
+    from aotc.cache import CacheMiss, CorruptedCacheError
+
     remote = app.remote(url, required="push")
     store = app.store
     keys = [entry_key_for(store, target)] if target else [k for k in store.keys() if store.has(k)]
-    results = [push_entry(store, remote, k, force=force, progress=Progress(quiet=quiet or as_json))
-               for k in keys]
+    results, failed = [], []
+    for k in keys:
+        try:
+            results.append(push_entry(store, remote, k, force=force,
+                                      progress=Progress(quiet=quiet or as_json)))
+        except (CacheMiss, CorruptedCacheError) as e:
+            if target:  # the one entry asked for: its error is the answer
+                raise
+            failed.append({"key": k, "error": " ".join(str(e).split())})  # the others go on
     if as_json:
         print_json({"remote": remote.url, "store": str(store.root),
-                    "entries": [r.to_json() for r in results],
+                    "entries": [r.to_json() for r in results], "failed": failed,
                     "bytes_moved": sum(r.bytes_moved for r in results)})
-        return
-    for r in results:
-        _print(r, as_json, store.root)
-    if not results:
-        click.echo(f"store {store.root} is empty: nothing to push")
+    else:
+        for r in results:
+            _print(r, as_json, store.root)
+        for f in failed:
+            echo_err(f"not pushed {f['key'][:16]}…: {f['error']}")
+        if not keys:
+            click.echo(f"store {store.root} is empty: nothing to push")
+    if failed:
+        sys.exit(1)
 
 
 @click.command("pull")

@@ -90,6 +90,9 @@ def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple
     """Re-hash every blob; exit 1 when any entry is corrupt or missing a blob. On a remote store
     every blob is downloaded; --repair deletes damaged blobs and the entries needing them."""
     if app.store_is_remote:
+        if signatures or trust:
+            raise click.UsageError("--signatures / --trust check a local store; `aotc pull "
+                                   "--trust KEY` checks a remote entry's signatures as it pulls")
         return _verify_remote(app, repair, as_json)
     report = maintenance.verify_at(app.store_path, repair=repair)
     sig_rows, untrusted = None, False
