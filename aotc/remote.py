@@ -163,27 +163,27 @@ class S3Remote:
     def _code(exc: Exception) -> str:
         return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
 
-    def head(self, name: str) -> int | None:
-        """The size of object ``name``, or None when there is none."""
+    def _maybe(self, what: str, fn: Any, name: str) -> Any:
+        """``fn(Bucket, Key)`` for object ``name``; None when the object does not exist."""
         try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=self.root + name)["ContentLength"])
+            return fn(Bucket=self.bucket, Key=self.root + name)
         except self._botocore.exceptions.ClientError as e:
             if self._code(e) in ("404", "NoSuchKey", "NotFound"):
                 return None
-            raise self._fail(e, f"HEAD {name}") from None
+            raise self._fail(e, f"{what} {name}") from None
         except self._botocore.exceptions.BotoCoreError as e:
-            raise self._fail(e, f"HEAD {name}") from None
+            raise self._fail(e, f"{what} {name}") from None
+
+    def head(self, name: str) -> int | None:
+        """The size of object ``name``, or None when there is none."""
+        resp = self._maybe("HEAD", self.client.head_object, name)
+        return None if resp is None else int(resp["ContentLength"])
 
     def get_bytes(self, name: str, limit: int = MAX_RECORD) -> bytes | None:
         """The bytes of a small object (at most ``limit``), or None when there is none."""
-        try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self.root + name)
-        except self._botocore.exceptions.ClientError as e:
-            if self._code(e) in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise self._fail(e, f"GET {name}") from None
-        except self._botocore.exceptions.BotoCoreError as e:
-            raise self._fail(e, f"GET {name}") from None
+        resp = self._maybe("GET", self.client.get_object, name)
+        if resp is None:
+            return None
         body = resp["Body"]
         try:
             data = body.read(limit + 1)
@@ -198,14 +198,9 @@ class S3Remote:
 
     def open(self, name: str) -> tuple[BinaryIO, int]:
         """A stream of object ``name`` and its size (``MissingObject`` when there is none)."""
-        try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self.root + name)
-        except self._botocore.exceptions.ClientError as e:
-            if self._code(e) in ("404", "NoSuchKey", "NotFound"):
-                raise MissingObject(f"{self.url}: {name} is missing") from None
-            raise self._fail(e, f"GET {name}") from None
-        except self._botocore.exceptions.BotoCoreError as e:
-            raise self._fail(e, f"GET {name}") from None
+        resp = self._maybe("GET", self.client.get_object, name)
+        if resp is None:
+            raise MissingObject(f"{self.url}: {name} is missing")
         return resp["Body"], int(resp.get("ContentLength", 0))
 
     def put(self, name: str, body: bytes | BinaryIO, if_absent: bool = False) -> bool:
