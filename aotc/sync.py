@@ -33,6 +33,7 @@ class DamagedRemoteEntry(RemoteError):
 
 
 MAX_SIGNERS = 64
+TRANSFER_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
     if held is not None:
         return _kept(store, remote, entry, held, len(digests))
     # Each blob's size as the remote holds it goes into the record: a pull refuses more bytes.
-    remote_sizes = {d: None if force else remote.head(remote.blob_name(d)) for d in digests}
+    remote_sizes = dict(zip(digests, _parallel(
+        lambda d: None if force else remote.head(remote.blob_name(d)), digests)))
     missing = [d for d, size in remote_sizes.items() if size is None]
     sizes = {d: remote_sizes[d] or _local_size(store, d) for d in digests}
     total, done, lock = sum(sizes[d] for d in missing), 0, threading.Lock()
@@ -138,8 +140,7 @@ def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
             done += n
             progress.transfer(done, total, f"{entry.name} {key[:12]}")
 
-    for d in missing:
-        remote.upload(remote.blob_name(d), store.blob_path(d), on_bytes)
+    _parallel(lambda d: remote.upload(remote.blob_name(d), store.blob_path(d), on_bytes), missing)
     if force:  # signatures of the record being replaced would not match the new one
         for obj in remote.list(f"signatures/{key}/"):
             remote.delete(obj.name)
@@ -165,6 +166,25 @@ def _kept(store: Store, remote: S3Remote, entry: Entry, held: Entry, blobs: int)
     note = "" if same else ("the remote holds another build of this key; kept it (--force "
                             "replaces it)")
     return Transfer("push", entry.key, entry.name, remote.url, blobs, 0, 0, False, note)
+
+
+def _parallel(fn: Callable[[str], Any], items: list[str]) -> list[Any]:
+    """``fn`` over ``items`` in up to ``TRANSFER_THREADS`` threads (each blob is one request: a
+    round trip dominates a small one; zstd and sha256 release the GIL), results in order. The
+    first error is raised once every started call has ended, so nothing is left writing."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    with ThreadPoolExecutor(max_workers=min(TRANSFER_THREADS, len(items))) as pool:
+        futures = [pool.submit(fn, i) for i in items]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:  # after a failure, start nothing more
+            f.cancel()
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
 
 
 def _local_size(store: Store, digest: str) -> int:
@@ -234,13 +254,18 @@ def pull_entry(remote: S3Remote, store: Store, key: str, trusted: frozenset[str]
         stored = {b.digest: b.stored_size for b in entry.blobs.values()}
         total = sum(stored[d] for d in fetch)
 
+        lock = threading.Lock()
+
         def on_bytes(n: int) -> None:
             nonlocal done
-            done += n
-            progress.transfer(done, max(total, done), f"{entry.name} {key[:12]}")
+            with lock:
+                done += n
+                progress.transfer(done, max(total, done), f"{entry.name} {key[:12]}")
 
-        for d in fetch:
+        def fetch_one(d: str) -> None:
             staged[d] = _download(remote, store, d, digests[d], stored[d], on_bytes, where)
+
+        _parallel(fetch_one, fetch)
         if fetch and done != total:  # the record's sizes were not the server's: close the bar
             progress.transfer(done, done, f"{entry.name} {key[:12]}")
         for path in staged.values():  # fresh mtimes: `gc` spares staging files in use

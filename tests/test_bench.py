@@ -38,6 +38,12 @@ def test_harness_runs_every_contender_and_writes_results(tmp_path) -> None:
     assert c["aotc-cold"]["counters"]["inductor_compiles"] > 0
     assert c["tc-cold"]["counters"]["inductor_compiles"] > 0
     assert c["eager"]["counters"]["inductor_compiles"] == 0
+    # the fleet contender: a fresh replica pulled the entry through the (real, loopback) S3
+    # server and compiled or traced nothing; it moved exactly what the build machine pushed
+    assert c["aotc-remote"]["counters"]["inductor_compiles"] == 0
+    assert c["aotc-remote"]["counters"]["dynamo_frames"] == 0
+    remote = saved["ratios"]["remote"]
+    assert remote["pulled_bytes"] == remote["pushed_bytes"] > 0 and remote["pull_s"] > 0
     assert saved["ratios"]["aotc_loader_s"] > 0
     pair = saved["steady_pair"]  # the steady-state ratio: both warm in one process, interleaved
     assert set(pair) == {"1", "16"} and all(p["ratio"] > 0 and p["tc_ms"] > 0 for p in pair.values())
@@ -45,5 +51,5 @@ def test_harness_runs_every_contender_and_writes_results(tmp_path) -> None:
     assert set(saved["targets"]) == set(results["targets"]) and len(saved["targets"]) == 5
     table = (out / "latest.md").read_text()
     for label in ("eager", "torch.compile cold", "torch.compile warm", "Mega-Cache", "aotc cold",
-                  "aotc warm", "not measured"):  # 32L/2L is not measured without scaling
+                  "aotc warm", "pulled from the remote", "bytes moved", "not measured"):  # 32L/2L is not measured without scaling
         assert label in table, label
