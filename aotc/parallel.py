@@ -24,9 +24,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from aotc import inductor
 from aotc.counters import COUNTERS
@@ -67,16 +68,24 @@ def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> induc
         return None
 
 
+@contextmanager
+def _task_lock(work: Path, out: Path) -> Iterator[None]:
+    """Hold the exclusive lock of one task's result directory ``out`` (the kernel drops it if
+    the holder dies): a concurrent compile of the same key waits for the task, then reuses it."""
+    lock = os.open(work / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock)
+
+
 def discard(work: Path, tasks: list[Task]) -> None:
     """Remove the finished results of ``tasks`` (after they failed a check: never reuse them)."""
     for uid, size in tasks:
         out = _out_dir(work, uid, size)
-        lock = os.open(work / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _task_lock(work, out):
             shutil.rmtree(out, ignore_errors=True)
-        finally:
-            os.close(lock)
 
 
 def _compile_into(work: Path, uid: str, piece: Piece, size: int | None,
@@ -84,15 +93,11 @@ def _compile_into(work: Path, uid: str, piece: Piece, size: int | None,
     """Compile one task into a private directory, then rename it into place (or take the result
     a concurrent compile put there first)."""
     out = _out_dir(work, uid, size)
-    lock = os.open(work / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent compile of this key on it: wait, reuse
+    with _task_lock(work, out):
         found = _reuse(work, uid, size)
         if found is not None:
             return found
         return _build(work, out, uid, piece, size, options)
-    finally:
-        os.close(lock)
 
 
 def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
