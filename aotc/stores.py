@@ -24,10 +24,14 @@ def open_store(store: Any, manifest: Manifest | None = None) -> Store:
 
 def split_store(store: Any, remote: Any = None) -> tuple[Any, Any]:
     """(local store argument, ``S3Remote`` or None) from what a caller passed: ``store`` may be a
-    remote URL (then the local store is the default one), ``remote`` a URL or an ``S3Remote``;
-    with neither, ``AOTC_REMOTE``."""
+    remote URL (then the local store is the default one; so is an ``AOTC_STORE`` that is one),
+    ``remote`` a URL or an ``S3Remote``; with neither, ``AOTC_REMOTE``."""
+    import os
+
     from aotc.remote import is_remote_url, open_remote
 
+    if store is None and is_remote_url(os.environ.get("AOTC_STORE")):
+        store = os.environ["AOTC_STORE"]
     if is_remote_url(store):
         store, remote = None, remote or store
     if remote is None or isinstance(remote, str):

@@ -36,8 +36,7 @@ class AppContext:
             store_path = store_path or env_store
             self.remote_url = remote_url or os.environ.get("AOTC_REMOTE") or None
         self.endpoint_url = endpoint_url
-        self.store_path = Path(store_path).expanduser() if store_path else default_store_path({
-            k: v for k, v in os.environ.items() if k != "AOTC_STORE"})
+        self.store_path = Path(store_path).expanduser() if store_path else default_store_path()
         self._store: Store | None = None
         self._remote: Any = None
 

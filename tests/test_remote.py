@@ -307,3 +307,22 @@ def test_compile_with_a_remote_store_publishes(compiled, s3) -> None:
     out = json.loads(res.output)
     assert out["key"] == key and out["push"]["blobs_moved"] == len(_digests(store, key))
     assert [e.key for e in scan_remote(S3Remote(url)).entries] == [key]
+
+
+def test_a_remote_aotc_store_is_not_a_directory(monkeypatch, tmp_path: Path) -> None:
+    """``AOTC_STORE=s3://…``: the Python API and the CLI treat it as the remote, cached by the
+    default directory — never as a local path named ``s3:``."""
+    from aotc.cache import default_store_path
+    from aotc.cli.common import AppContext
+    from aotc.stores import split_store
+
+    env = {"AOTC_STORE": "s3://bucket/prefix", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    assert default_store_path(env) == tmp_path / "xdg" / "aotc"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AOTC_REMOTE", raising=False)
+    store, remote = split_store(None)
+    assert store is None and remote.url == "s3://bucket/prefix"
+    app = AppContext(None)
+    assert app.store_is_remote and app.store_path == tmp_path / "xdg" / "aotc"
+    assert app.remote().url == "s3://bucket/prefix"
