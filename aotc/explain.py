@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from aotc.cache import Store
 from aotc.manifest import Manifest, load_manifest
@@ -28,20 +28,28 @@ def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str,
                        f"{len(diffs)} factor(s) (stored -> current):"}
 
 
-def resolve_key(store: Store, text: str) -> str:
-    """A full stored key from a key or a unique prefix of one (>= 8 hex chars)."""
+def match_key(text: str, keys_with_prefix: Callable[[str], list[str]], where: str,
+              listing: str) -> str:
+    """The one key that ``text`` (a key or a prefix of >= 8 hex chars) names among
+    ``keys_with_prefix(prefix)``; ``InputError`` naming ``where`` and the ``listing`` command
+    otherwise. Shared by the local store and a remote one."""
     from aotc.errors import InputError
 
     text = text.strip().lower()
     if len(text) < 8 or any(c not in "0123456789abcdef" for c in text):
         raise InputError(f"{text!r} is not a key: give a stored key or a prefix of >= 8 hex chars "
-                         "(`aotc inspect cache` lists them)")
-    found = [k for k in store.keys() if k.startswith(text)]
+                         f"({listing} lists them)")
+    found = keys_with_prefix(text)
     if len(found) != 1:
         what = "no" if not found else f"{len(found)}"
-        raise InputError(f"{what} stored entries match {text!r} in {store.root}; "
-                         "`aotc inspect cache` lists the keys")
+        raise InputError(f"{what} stored entries match {text!r} in {where}; {listing} lists the keys")
     return found[0]
+
+
+def resolve_key(store: Store, text: str) -> str:
+    """A full stored key from a key or a unique prefix of one (>= 8 hex chars)."""
+    return match_key(text, lambda p: [k for k in store.keys() if k.startswith(p)],
+                     str(store.root), "`aotc inspect cache`")
 
 
 def entry_key_for(store: Store, target: str) -> str:

@@ -222,11 +222,12 @@ class _Counting:
 
 
 def pull_entry(remote: S3Remote, store: Store, key: str, trusted: frozenset[str] = frozenset(),
-               progress: Progress | None = None) -> Transfer:
+               progress: Progress | None = None, entry: Entry | None = None) -> Transfer:
     """Pull remote entry ``key`` into ``store`` (see module doc): ``CacheMiss`` when the remote
-    has no such entry, ``RemoteError`` for damaged remote bytes, ``TrustError`` under a policy."""
+    has no such entry, ``RemoteError`` for damaged remote bytes, ``TrustError`` under a policy.
+    ``entry``: its record, when the caller has just read it (``find_remote_entry``)."""
     progress = progress or Progress(quiet=True)
-    entry = remote_entry(remote, key)
+    entry = entry if entry is not None and entry.key == key else remote_entry(remote, key)
     if entry is None:
         raise CacheMiss(key, hint=f"{remote.url} has no entry {key[:16]}…; push it there first "
                                   "(`aotc push` on a machine that compiled it)")
@@ -386,19 +387,16 @@ def pull_for_manifest(manifest: Any, remote: S3Remote, store: Store, machine: di
     entry = find_remote_entry(manifest, remote, machine, trusted)
     if entry is None:
         return None
-    return pull_entry(remote, store, entry.key, trusted, progress)
+    return pull_entry(remote, store, entry.key, trusted, progress, entry=entry)
 
 
 def remote_key_for(remote: S3Remote, text: str) -> str:
     """A full remote key from a key or a unique prefix of one (>= 8 hex chars)."""
-    from aotc.errors import InputError
+    from aotc.explain import match_key
 
-    text = text.strip().lower()
-    if len(text) < 8 or any(c not in "0123456789abcdef" for c in text):
-        raise InputError(f"{text!r} is neither a manifest file nor a key (>= 8 hex chars)")
-    found = [o.name[len("entries/"):-len(".json")] for o in remote.list(f"entries/{text}")
-             if o.name.endswith(".json") and blobio.is_digest(o.name[len("entries/"):-len(".json")])]
-    if len(found) != 1:
-        raise InputError(f"{'no' if not found else len(found)} entries of {remote.url} match "
-                         f"{text!r}; `aotc --store {remote.url} inspect cache` lists them")
-    return found[0]
+    def keys_with_prefix(prefix: str) -> list[str]:
+        names = (o.name[len("entries/"):] for o in remote.list(f"entries/{prefix}"))
+        return [n[:-len(".json")] for n in names
+                if n.endswith(".json") and blobio.is_digest(n[:-len(".json")])]
+
+    return match_key(text, keys_with_prefix, remote.url, f"`aotc --store {remote.url} inspect cache`")
