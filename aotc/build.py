@@ -10,12 +10,13 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from aotc.errors import ModelBuildError
-from aotc.manifest import InputSpec, Manifest, thaw
+from aotc.forward import ByName, pick_output, unwrap  # noqa: F401 - re-exported
+from aotc.manifest import InputSpec, Manifest, factory_path, thaw
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
@@ -41,6 +42,7 @@ def _import_factory(manifest: Manifest) -> Callable[..., Any]:
         try:
             spec.loader.exec_module(module)
         except Exception as e:  # noqa: BLE001 - user code may raise anything
+            sys.modules.pop(mod_name, None)
             raise ModelBuildError(f"{where}: importing {path} failed: {type(e).__name__}: {e}") from e
     else:
         try:
@@ -61,8 +63,13 @@ def _import_factory(manifest: Manifest) -> Callable[..., Any]:
 
 
 def _build_hf(manifest: Manifest) -> torch.nn.Module:
+    """As transformers' own loader builds it: ``from_pretrained(dir, dtype=…)`` for a model
+    directory, else ``_from_config(config, dtype=…)`` (seeded random weights; a ``.safetensors``
+    file is loaded afterwards). Either way the dtype is applied the way transformers applies it,
+    so buffers it keeps in float32 (RoPE ``inv_freq``) stay float32, as in the server's model."""
     hf = manifest.model.hf
-    assert hf is not None  # caller checked
+    if hf is None:
+        raise ModelBuildError(f"{_where(manifest)}: model.hf: missing")
     where = f"{_where(manifest)}: model.hf"
     try:
         import transformers
@@ -74,11 +81,16 @@ def _build_hf(manifest: Manifest) -> torch.nn.Module:
     config_cls = getattr(cls, "config_class", None)
     if config_cls is None:
         raise ModelBuildError(f"{where}.architecture: {hf.architecture} has no config_class")
+    dtype = DTYPES[manifest.dtype]
+    weights = manifest.model.weights_path
     try:
         config = config_cls(**thaw(hf.config))
         config._attn_implementation = "sdpa"
         torch.manual_seed(manifest.model.seed)
-        model = cls(config)
+        if weights is not None and Path(weights).is_dir():
+            model = cls.from_pretrained(str(weights), config=config, dtype=dtype)
+        else:
+            model = cls._from_config(config, dtype=dtype)
     except Exception as e:  # noqa: BLE001
         raise ModelBuildError(f"{where}: building {hf.architecture} failed: {type(e).__name__}: {e}") from e
     return model
@@ -87,8 +99,8 @@ def _build_hf(manifest: Manifest) -> torch.nn.Module:
 def _load_weights(manifest: Manifest, model: torch.nn.Module) -> None:
     path = manifest.model.weights_path
     where = f"{_where(manifest)}: model.weights"
-    if path is None:
-        return
+    if path is None or (manifest.model.hf is not None and Path(path).is_dir()):
+        return  # an HF model directory was loaded by from_pretrained
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
     if not files or not all(f.is_file() for f in files):
         raise ModelBuildError(f"{where}: no .safetensors file at {path}")
@@ -106,46 +118,40 @@ def _load_weights(manifest: Manifest, model: torch.nn.Module) -> None:
         raise ModelBuildError(f"{where}: {files[0].name} has unknown tensor {unexpected[0]!r}")
 
 
-class OutputPicker(torch.nn.Module):
-    """Wraps a model whose forward returns a dataclass/tuple and returns one tensor of it."""
-
-    def __init__(self, model: torch.nn.Module, output: str | int) -> None:
-        super().__init__()
-        self.model = model
-        self.output = output
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        out = self.model(*args)
-        if isinstance(self.output, int):
-            return out[self.output]
-        return getattr(out, self.output) if hasattr(out, self.output) else out[self.output]
+def by_name(model: torch.nn.Module, manifest: Manifest) -> ByName:
+    """``model`` (the user's module, or one already wrapped) called as the manifest declares."""
+    return ByName(unwrap(model), [s.name for s in manifest.inputs], manifest.model.output)
 
 
 def build_model(manifest: Manifest) -> torch.nn.Module:
-    """The model in eval mode, on the manifest's device and dtype, output picked as declared."""
+    """The model the manifest names, in eval mode on its device and dtype, built as its own
+    loader builds it (HF: :func:`_build_hf`; a factory's result is cast with ``.to(dtype)``).
+    This is the user's module itself: wrap it with :func:`by_name` to call it as declared."""
     m = manifest.model
-    if m.hf is not None:
-        model = _build_hf(manifest)
-    else:
-        factory = _import_factory(manifest)
-        torch.manual_seed(m.seed)
-        try:
-            model = factory(**thaw(m.kwargs))
-        except Exception as e:  # noqa: BLE001
-            raise ModelBuildError(
-                f"{_where(manifest)}: model.factory: {m.factory}(**kwargs) raised "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        if not isinstance(model, torch.nn.Module):
-            raise ModelBuildError(
-                f"{_where(manifest)}: model.factory: {m.factory} returned "
-                f"{type(model).__name__}, not a torch.nn.Module"
-            )
+    with factory_path(manifest):
+        if m.hf is not None:
+            model = _build_hf(manifest)
+        else:
+            factory = _import_factory(manifest)
+            torch.manual_seed(m.seed)
+            try:
+                model = factory(**thaw(m.kwargs))
+            except Exception as e:  # noqa: BLE001
+                raise ModelBuildError(
+                    f"{_where(manifest)}: model.factory: {m.factory}(**kwargs) raised "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            if not isinstance(model, torch.nn.Module):
+                raise ModelBuildError(
+                    f"{_where(manifest)}: model.factory: {m.factory} returned "
+                    f"{type(model).__name__}, not a torch.nn.Module"
+                )
     _load_weights(manifest, model)
-    if m.output is not None:
-        model = OutputPicker(model, m.output)
     try:
-        model = model.to(device=manifest.device, dtype=DTYPES[manifest.dtype]).eval()
+        if m.hf is not None:
+            model = model.to(device=manifest.device).eval()
+        else:
+            model = model.to(device=manifest.device, dtype=DTYPES[manifest.dtype]).eval()
     except (RuntimeError, AssertionError) as e:
         raise ModelBuildError(f"{_where(manifest)}: device: cannot move the model to "
                               f"{manifest.device}: {e}") from e
@@ -162,7 +168,7 @@ def make_input(spec: InputSpec, n: int, device: str, gen: torch.Generator) -> to
         numel = 1
         for s in shape:
             numel *= s
-        t = torch.arange(numel, dtype=torch.int64).reshape(shape).to(dtype)
+        t = (torch.arange(numel, dtype=torch.int64) + int(spec.low)).reshape(shape).to(dtype)
     elif spec.fill == "zeros":
         t = torch.zeros(shape, dtype=dtype)
     elif spec.fill == "ones":
@@ -179,9 +185,14 @@ def make_input(spec: InputSpec, n: int, device: str, gen: torch.Generator) -> to
 
 
 def make_inputs(manifest: Manifest, n: int, seed: int = 0) -> list[torch.Tensor]:
-    """The forward's inputs for ``n`` tokens, deterministic for a seed."""
+    """The forward's inputs for ``n`` tokens in the manifest's order, deterministic for a seed."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + n)
     return [make_input(s, n, manifest.device, gen) for s in manifest.inputs]
+
+
+def make_named_inputs(manifest: Manifest, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`make_inputs` by input name (``model(**inputs)``)."""
+    return {s.name: t for s, t in zip(manifest.inputs, make_inputs(manifest, n, seed))}
 
 
 def dynamic_dims(manifest: Manifest) -> list[int | None]:

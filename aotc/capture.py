@@ -315,6 +315,7 @@ def capture(
     dynamic_dims: list[int | None],
     *,
     mode: DynamicMode = "auto",
+    params_of: torch.nn.Module | None = None,
 ) -> Captured:
     """Trace ``model(*example_inputs)`` once with Dynamo (``fullgraph=True``) into one FX graph.
 
@@ -325,7 +326,9 @@ def capture(
     ``Captured.token_range`` say which one and for which sizes the graph is valid. Runs under
     ``torch.no_grad()`` between two ``torch._dynamo.reset()`` calls, so it can be called
     repeatedly in one process. A graph break raises :class:`CaptureError` naming the file and
-    line Dynamo reports.
+    line Dynamo reports. ``params_of``: the module whose parameter / buffer names the ArgSpec
+    uses (default ``model``; a wrapper passes the user's module it wraps, so the names are the
+    ones the user's own model has).
     """
     import torch._dynamo
 
@@ -362,7 +365,7 @@ def capture(
     return Captured(
         gm=gm,
         example_inputs=tuple(got["ex"]),
-        arg_spec=_arg_spec(gm, got["ex"], model, inputs),
+        arg_spec=_arg_spec(gm, got["ex"], model if params_of is None else params_of, inputs),
         source_files=_source_files(got["codes"]),
         dynamic=("unbacked" if unbacked else "backed") if has_dynamic else "static",
         token_range=_token_range(gm) if has_dynamic else None,

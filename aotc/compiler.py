@@ -18,7 +18,8 @@ from typing import Any
 
 from aotc import inductor
 from aotc.cache import workdirs
-from aotc.build import make_inputs
+from aotc.checking import compare_runs, model_buffers
+from aotc.build import make_inputs, unwrap
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.graphcode import encode_graph
 from aotc.key import compute_key
@@ -30,7 +31,7 @@ from aotc.toolchain import fingerprint, machine_factors
 from aotc.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runner import Runner
 from aotc.rehydrate import rehydrate
-from aotc.parallel import compile_tasks, discard
+from aotc.parallel import compile_tasks, discard, note_check_failed, resumed_from
 from aotc.pieces import trace_and_split
 from aotc.split import node_op_names
 
@@ -52,14 +53,16 @@ class CompileResult:
     numerics: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
     store: str = ""
-    resumed: int = 0  # piece compiles taken from an interrupted compile of the same key
+    resumed: int = 0  # piece compiles taken from an earlier, unfinished compile of the same key
+    resumed_from: str = ""  # which: "an interrupted compile" or one whose numeric check failed
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "hit": self.hit, "pieces": self.pieces,
                 "unique_pieces": self.unique_pieces, "compiles": self.compiles,
                 "traces": self.traces, "seconds": self.seconds, "bytes_stored": self.bytes_stored,
                 "max_abs_err": self.max_abs_err, "numerics": self.numerics,
-                "warnings": list(self.warnings), "store": self.store, "resumed": self.resumed}
+                "warnings": list(self.warnings), "store": self.store, "resumed": self.resumed,
+                "resumed_from": self.resumed_from if self.resumed else None}
 
 
 def check_sizes(manifest: Manifest) -> list[int]:
@@ -72,32 +75,31 @@ def check_sizes(manifest: Manifest) -> list[int]:
 
 
 def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, Any]:
-    """Compare the stitched program with eager at ``check_sizes``; raise above tolerance."""
-    import torch
-
+    """Compare the stitched program with eager at ``check_sizes``; raise above tolerance.
+    Both run from the same state; buffers a stateful forward writes are compared too
+    (:mod:`aotc.checking`)."""
     per_size: dict[str, dict[str, float]] = {}
     failures = []
     tol = manifest.tolerance
+    buffers = model_buffers(unwrap(model))
+    mutated: set[str] = set()
     for n in check_sizes(manifest):
         if n < runner.program.min_dynamic_tokens and n not in manifest.compile_sizes:
             continue
         inputs = make_inputs(manifest, n, seed=1)
-        with torch.no_grad():
-            want = model(*inputs)
-            got = runner(*inputs)
-        diff = (got.float() - want.float()).abs()
-        abs_err = float(diff.max()) if diff.numel() else 0.0
-        rel_err = float((diff / want.float().abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
-        per_size[str(n)] = {"max_abs_err": abs_err, "max_rel_err": rel_err}
-        if not torch.allclose(got.float(), want.float(), atol=tol.atol, rtol=tol.rtol):
-            failures.append(f"{n} tokens: max abs err {abs_err:.3g}")
+        c = compare_runs(lambda: runner(*inputs), lambda: model(*inputs), buffers, tol.atol, tol.rtol)
+        mutated |= c.mutated
+        failures += [f"{n} tokens, {f}" for f in c.failures]
+        per_size[str(n)] = {"max_abs_err": c.max_abs_err, "max_rel_err": c.max_rel_err}
     if failures:
         raise NumericMismatchError(
-            f"compiled program differs from eager beyond atol={tol.atol}, rtol={tol.rtol}: "
-            + "; ".join(failures) + "; nothing was stored (loosen `tolerance` or check the model)"
+            f"compiled program differs from eager beyond atol={tol.atol}, rtol={tol.rtol} "
+            f"({manifest.dtype}): " + "; ".join(failures[:6])
+            + "; nothing was stored (loosen `tolerance` or check the model)"
         )
     worst = max((v["max_abs_err"] for v in per_size.values()), default=0.0)
-    return {"sizes": per_size, "max_abs_err": worst, "atol": tol.atol, "rtol": tol.rtol}
+    return {"sizes": per_size, "max_abs_err": worst, "atol": tol.atol, "rtol": tol.rtol,
+            "mutated_buffers": sorted(mutated)}
 
 
 def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: bool = False,
@@ -106,7 +108,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     ``jobs`` > 1 compiles the pieces in that many worker processes (``aotc.parallel``)."""
     progress = progress or Progress(quiet=True)
     manifest = as_manifest(manifest)
-    store = open_store(store, manifest)
+    store = open_store(store, manifest, create=True)
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
@@ -140,6 +142,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             return _hit(store.get(key, record=False), manifest, seconds, store, traces=1)
         kernel_root = Path(tmp) / "kernels"
         tasks = [(uid, size) for uid in first_of for size in shapes]
+        reused_from = resumed_from(claimed.path)
         compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs)
         kernel_files: set[str] = set()
         for c in compiled.values():
@@ -154,7 +157,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
             program = Program(
                 name=manifest.name, device=manifest.device, dtype=manifest.dtype,
-                slots=_slots(captured.arg_spec, model),
+                slots=_slots(captured.arg_spec, unwrap(model)),
                 inputs=tuple(_input_dict(s) for s in manifest.inputs),
                 stitch=encode_graph(parts.stitch),
                 pieces=tuple(
@@ -166,7 +169,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
                 compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
                 max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
                 min_dynamic_tokens=_min_dynamic(captured),
-                source_files=code,
+                source_files=code, output=_plain_output(manifest.model.output),
             )
             files = _artifact_files(artifacts, compiled)
             # reload exactly what will be stored, as the loader will
@@ -175,9 +178,11 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             numerics = numeric_check(runner, model, manifest)
             program = _with_numerics(program, numerics)
             seconds["check"] = time.perf_counter() - t
-        except AotcError:
+        except AotcError as e:
             # a reused result may be what failed the check: never reuse those again
             discard(claimed.path, [task for task, c in compiled.items() if c.reused])
+            if isinstance(e, NumericMismatchError):
+                note_check_failed(claimed.path, str(e))
             raise
 
         t = time.perf_counter()
@@ -201,7 +206,8 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         unique_pieces=len(first_of), compiles=n_compiles, traces=1,
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
-        store=str(store.root), resumed=sum(c.reused for c in compiled.values()))
+        store=str(store.root), resumed=sum(c.reused for c in compiled.values()),
+        resumed_from=reused_from)
 
 
 def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,
@@ -260,7 +266,10 @@ def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:
 
 
 def _input_dict(s: Any) -> dict[str, Any]:
-    return {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
+    d = {"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
+    if s.fill == "random" and s.dtype.startswith("int"):  # the valid range (a vocab), for errors
+        d.update(low=s.low, high=s.high)
+    return d
 
 
 def _op_of(gm: Any, manifest: Manifest) -> str:
@@ -276,6 +285,10 @@ def _min_dynamic(captured: Any) -> int:
     if captured.dynamic == "backed" and captured.token_range:
         return int(captured.token_range[0] or 1)
     return 1
+
+
+def _plain_output(output: Any) -> Any:
+    return list(output) if isinstance(output, tuple) else output
 
 
 def _with_numerics(program: Program, numerics: dict[str, Any]) -> Program:

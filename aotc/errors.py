@@ -15,7 +15,7 @@ from aotc.cache.errors import (
 __all__ = [
     "AotcError", "CacheMiss", "CorruptedCacheError", "StoreError", "StoreLockedError",
     "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
-    "NumericMismatchError", "LoadError", "InputError",
+    "NumericMismatchError", "LoadError", "InputError", "RunError",
 ]
 
 
@@ -65,3 +65,7 @@ class InputError(AotcError):
     (a key, a size) is not valid."""
 
     exit_code = 2
+
+
+class RunError(AotcError):
+    """A compiled piece failed while running (a kernel's own check); names the piece and size."""

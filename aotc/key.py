@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-FORMAT_VERSION = 1  # bump when the Program record or the artifact layout changes
+FORMAT_VERSION = 2  # bump when the Program record or the artifact layout changes
 
 
 def _canon(value: Any, path: str) -> Any:

@@ -66,14 +66,18 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
             return _find_entry(manifest, store, timings)
     where = manifest.path or manifest.name
     why = ""
-    if res.diffs:
+    if res.closest is not None:
+        why = f"; the closest stored entry, key {res.closest.key[:16]}… ({res.closest.name}), differs"
+        why += (" in " + ", ".join(d.path for d in res.diffs[:4])) if res.diffs else ""
+    elif res.diffs:
         why = "; differs from the closest entry in " + ", ".join(d.path for d in res.diffs[:4])
         changed = [d.path.removeprefix("code.") for d in res.diffs if d.path.startswith("code.")]
         if changed:
             why += f" (changed source file: {', '.join(changed[:3])})"
     where_remote = f" nor in {remote.url}" if remote is not None else ""
-    raise CacheMiss(res.probe, hint=f"{manifest.name} is not compiled for this machine{where_remote}{why}; run "
-                                    f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
+    raise CacheMiss(res.probe, label="lookup key (every factor but the traced sources)",
+                    hint=f"{manifest.name} is not compiled for this machine{where_remote}{why}; run "
+                         f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
 
 
 def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
@@ -128,7 +132,7 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
     if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
         if model is None:
             raise LoadError("loading by key needs `model=`: the module whose weights to bind")
-        st = open_store(store)
+        st = open_store(store, create=remote is not None)
         if remote is not None and not st.has(manifest_or_key):
             from aotc.sync import pull_entry
 
@@ -139,7 +143,7 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
     manifest = as_manifest(manifest_or_key)
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)
-    st = open_store(store, manifest)
+    st = open_store(store, manifest, create=remote is not None)
     entry = _find_entry(manifest, st, timings, remote, trusted)
     if model is None:
         t = time.perf_counter()

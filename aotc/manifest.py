@@ -9,10 +9,12 @@ Schema and defaults: see ``manifests/toy-llama.yaml`` and the dataclasses below.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +26,8 @@ from aotc.errors import ManifestError
 
 __all__ = [
     "Manifest", "ModelSpec", "HFSpec", "InputSpec", "Tolerance", "FrozenMap", "thaw",
-    "load_manifest", "parse_manifest",
-    "DTYPES", "INPUT_DTYPES", "DEVICES", "FILLS", "CUDAGRAPH_MODES", "TOKENS",
+    "load_manifest", "parse_manifest", "factory_path",
+    "DTYPES", "INPUT_DTYPES", "DEVICES", "FILLS", "CUDAGRAPH_MODES", "TOKENS", "DEFAULT_TOLERANCE",
 ]
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -34,6 +36,9 @@ DEVICES = ("cpu", "cuda")
 FILLS = ("random", "arange", "zeros", "ones")
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
 TOKENS = "tokens"  # the shape entry that marks an input's token (dynamic) dim
+# (atol, rtol) of the compile-time check when the manifest gives none: compiled and eager
+# kernels round differently, by about the dtype's epsilon times the depth of the computation
+DEFAULT_TOLERANCE = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (3e-2, 3e-2)}
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -98,7 +103,7 @@ class ModelSpec:
     weights: str = "random"  # as written: "random" or a .safetensors file / HF model dir
     weights_path: Path | None = None  # absolute; existence is checked when the model is built
     seed: int = 0
-    output: str | int | None = None  # attribute name or index picking the tensor to return
+    output: str | int | tuple[str | int, ...] | None = None  # field(s) / index(es) to return
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,7 @@ def _model_dict(m: ModelSpec) -> dict[str, Any]:
         cfg = m.hf.config_path if m.hf.config_path is not None else thaw(m.hf.config)
         hf = {"architecture": m.hf.architecture, "config": cfg}
     return {"factory": m.factory, "hf": hf, "kwargs": thaw(m.kwargs), "weights": m.weights,
-            "seed": m.seed, "output": m.output}
+            "seed": m.seed, "output": list(m.output) if isinstance(m.output, tuple) else m.output}
 
 
 def _input_dict(s: InputSpec) -> dict[str, Any]:
@@ -226,6 +231,24 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return str(v) if isinstance(v, Path) else v
+
+
+@contextlib.contextmanager
+def factory_path(manifest: Manifest) -> Iterator[None]:
+    """While building the model (and while locating the sources it traced): the directory of a
+    factory given as ``path/to/model.py:fn`` on ``sys.path``, so the file can import its
+    sibling modules, at compile and at load alike."""
+    f = manifest.model.factory_file
+    d = str(Path(f).parent) if f is not None else None
+    if d is None or d in sys.path:
+        yield
+        return
+    sys.path.insert(0, d)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(d)
 
 
 # ---------------------------------------------------------------- YAML

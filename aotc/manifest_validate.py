@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc.manifest import (  # noqa: F401
-    Manifest, ModelSpec, HFSpec, InputSpec, Tolerance, FrozenMap, DTYPES, INPUT_DTYPES, DEVICES, FILLS, CUDAGRAPH_MODES, TOKENS, _NAME, _IDENT, _DOTTED, _OP, _PICKLE_SUFFIXES,
+    Manifest, ModelSpec, HFSpec, InputSpec, Tolerance, FrozenMap, DTYPES, INPUT_DTYPES, DEVICES, FILLS, CUDAGRAPH_MODES, TOKENS, DEFAULT_TOLERANCE, _NAME, _IDENT, _DOTTED, _OP, _PICKLE_SUFFIXES,
 )
 
 class Invalid(Exception):
@@ -160,9 +160,7 @@ def validate(data: Any, base: Path) -> Manifest:
         splitting_ops=_ops(data.get("splitting_ops", ())),
         inductor=_inductor(data.get("inductor", {})),
         cudagraph=_choice(data.get("cudagraph", "piecewise"), "cudagraph", CUDAGRAPH_MODES),
-        tolerance=Tolerance(
-            _num(_keys(tol, "tolerance", (), ("atol", "rtol")).get("atol", 1e-4), "tolerance.atol", 0),
-            _num(tol.get("rtol", 1e-4), "tolerance.rtol", 0)),
+        tolerance=_tolerance(tol, data.get("dtype", "float32")),
         store=None if store is None else _resolve(base, _str(store, "store", what="a store directory")),
         base_dir=base,
     )
@@ -223,11 +221,28 @@ def _model(d: Any, base: Path) -> ModelSpec:
                                             f"got {weights!r} (convert pickle checkpoints to .safetensors)")
         spec["weights_path"] = wp
     output = d.get("output")
-    if output is not None and not (isinstance(output, str) and _IDENT.fullmatch(output)) \
-            and (isinstance(output, bool) or not isinstance(output, int)):
-        raise Invalid("model.output", f"expected an attribute name or an int index, got {_show(output)}")
+    if isinstance(output, (list, tuple)):
+        if not output:
+            raise Invalid("model.output", "expected a non-empty list of attribute names / int indices")
+        output = tuple(_output(o, f"model.output[{i}]") for i, o in enumerate(output))
+    elif output is not None:
+        output = _output(output, "model.output")
     return ModelSpec(kwargs=_json(kwargs, "model.kwargs"), weights=weights,
                      seed=_int(d.get("seed", 0), "model.seed", 0), output=output, **spec)
+
+
+def _output(v: Any, path: str) -> str | int:
+    if (isinstance(v, str) and _IDENT.fullmatch(v)) or (isinstance(v, int) and not isinstance(v, bool)):
+        return v
+    raise Invalid(path, f"expected an attribute name or an int index, got {_show(v)}")
+
+
+def _tolerance(tol: Any, dtype: str) -> Tolerance:
+    """The numeric check's tolerance; unset fields default by dtype (``DEFAULT_TOLERANCE``)."""
+    atol, rtol = DEFAULT_TOLERANCE[dtype]
+    t = _keys(tol, "tolerance", (), ("atol", "rtol"))
+    return Tolerance(_num(t.get("atol", atol), "tolerance.atol", 0),
+                     _num(t.get("rtol", rtol), "tolerance.rtol", 0))
 
 
 def _hf(d: Any, base: Path) -> HFSpec:
@@ -275,9 +290,12 @@ def _inputs(v: Any) -> tuple[InputSpec, ...]:
             why = f"fill: {fill}" if fill != "random" else "dtype: bool"
             if high is not None:
                 raise Invalid(f"{p}.high", f"not used with {why}; remove it")
-            if isinstance(low, bool) or low != 0:
+            if fill == "arange" and dtype != "bool":  # low: the first value (positions + k)
+                low = _int(low, f"{p}.low", what="an int (the first value of the arange)")
+            elif isinstance(low, bool) or low != 0:
                 raise Invalid(f"{p}.low", f"not used with {why}; remove it")
-            low = 0
+            else:
+                low = 0
         elif dtype.startswith(("float", "bfloat")):
             low = _num(low, f"{p}.low")
             high = None if high is None else _num(high, f"{p}.high")

@@ -43,6 +43,24 @@ def _out_dir(work: Path, uid: str, size: int | None) -> Path:
     return work / f"{uid}-{size or 'dyn'}"
 
 
+_CHECK_FAILED = "check-failed.txt"
+
+
+def note_check_failed(work: Path, why: str) -> None:
+    """Remember in the key's work directory that a compile finished its pieces but failed the
+    numeric check, so the next compile of the key says it reuses those (not "interrupted")."""
+    try:
+        (work / _CHECK_FAILED).write_text(why[:500])
+    except OSError:
+        pass
+
+
+def resumed_from(work: Path) -> str:
+    """Why finished pieces are in ``work``: an earlier compile's failed check, or a crash."""
+    return ("an earlier compile of this key that failed its numeric check"
+            if (work / _CHECK_FAILED).is_file() else "an interrupted compile")
+
+
 def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> inductor.CompiledPiece | None:
     """The finished result of a task in ``work``, if a previous or concurrent compile left one
     whose files are all there at their recorded sizes. ``repair`` (only under the task's lock)
@@ -171,7 +189,7 @@ def compile_tasks(manifest: Manifest, first_of: dict[str, Piece], tasks: list[Ta
     jobs = max(1, min(jobs, len(todo)))
     shares = [todo[i::jobs] for i in range(jobs)]
     progress.step(0, total, "compiling" + (f" in {jobs} processes" if jobs > 1 else "")
-                  + (f", {len(reused)} resumed from an interrupted compile" if reused else ""))
+                  + (f", {len(reused)} reused from {resumed_from(work)}" if reused else ""))
     for task, c in reused.items():
         done(task, c)
     workers = [_Worker(manifest, share, work, done) for share in shares[1:]]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aotc import inductor
-from aotc.build import build_model, dynamic_dims, make_inputs
+from aotc.build import build_model, by_name, dynamic_dims, make_inputs
 from aotc.capture import Captured, capture
 from aotc.errors import SplitError
 from aotc.manifest import Manifest
@@ -54,13 +54,14 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     what = manifest.model.factory or (manifest.model.hf.architecture if manifest.model.hf else "?")
     progress.phase("build", what)
     t = time.perf_counter()
-    model = build_model(manifest)
+    model = by_name(build_model(manifest), manifest)  # traced as the manifest calls it: by name
     seconds["build"] = time.perf_counter() - t
 
     progress.phase("capture", "Dynamo, token dim dynamic")
     t = time.perf_counter()
     trace_n = min(manifest.max_tokens, 7)
-    captured = capture(model, make_inputs(manifest, trace_n), dynamic_dims(manifest))
+    captured = capture(model, make_inputs(manifest, trace_n), dynamic_dims(manifest),
+                       params_of=model.model)
     seconds["capture"] = time.perf_counter() - t
 
     t = time.perf_counter()

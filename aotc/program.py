@@ -73,6 +73,7 @@ class Program:
     min_dynamic_tokens: int  # sizes below this need a static artifact (backed graphs: 2)
     source_files: dict[str, str]  # relative path -> sha256
     numerics: dict[str, Any] = field(default_factory=dict)
+    output: Any = None  # the manifest's model.output: a field / index, a list of them, or None
     format: int = FORMAT_VERSION
 
     def artifacts_of(self, uid: str) -> dict[int | None, ArtifactRecord]:
@@ -111,7 +112,7 @@ class Program:
                 capture_sizes=tuple(d["capture_sizes"]), max_tokens=int(d["max_tokens"]),
                 dynamic_mode=d["dynamic_mode"], min_dynamic_tokens=int(d["min_dynamic_tokens"]),
                 source_files=dict(d["source_files"]), numerics=dict(d.get("numerics", {})),
-                format=d["format"],
+                output=d.get("output"), format=d["format"],
             )
         except LoadError:
             raise

@@ -4,6 +4,7 @@ splitting pieces (attention) eagerly. No Dynamo, no compiler."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,13 +13,15 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from aotc.build import DTYPES
+from aotc.forward import pick_output, unwrap
 from aotc.cudagraph import GraphSet, dummy_inputs
 from aotc.cudagraph import capture as capture_graphs
-from aotc.errors import InputError, LoadError
+from aotc.errors import AotcError, InputError, LoadError, RunError
 from aotc.graphcode import GraphProgram
 from aotc.program import Program
 
 Artifact = Callable[..., Sequence[torch.Tensor]]
+_PATH = re.compile(r"(?:/[^\s:,'\"]+)+\.(?:cpp|h|py|so)(?::\d+)?")  # compile-time staging paths
 
 
 class _CompiledPiece:
@@ -37,7 +40,10 @@ class _CompiledPiece:
             raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
                              f"(static sizes: {sorted(k for k in self.by_size if k)})")
         graphs = self.runner.graphs
-        out = fn(*args) if graphs is None else graphs.piece(self.name, fn, args)
+        try:
+            out = fn(*args) if graphs is None else graphs.piece(self.name, fn, args)
+        except RuntimeError as e:  # a kernel's own check (an index out of range, ...)
+            raise self.runner.kernel_error(self, n, e) from e
         out = out if isinstance(out, (list, tuple)) else (out,)
         return out if self.returns_tuple else out[0]
 
@@ -68,14 +74,17 @@ class Timings:
 
 
 class Runner:
-    """``runner(*inputs) -> Tensor``: the compiled model, bound to ``model``'s parameters."""
+    """``runner(*inputs)`` or ``runner(name=tensor, …)``: the compiled model, bound to ``model``'s
+    parameters and buffers (by their names in ``model``: the server's own module, e.g. what
+    ``transformers`` returns). Returns the declared output (a tuple when several are declared)."""
 
     def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
                  model: torch.nn.Module, key: str = "", timings: Timings | None = None) -> None:
-        self.program, self.key, self.model = program, key, model
+        self.program, self.key, self.model = program, key, unwrap(model)
         self.timings = timings or Timings()
         self._local = threading.local()  # the token count of the call in flight, per thread
         self.graphs: GraphSet | None = None  # CUDA graphs, once captured
+        self.input_names = tuple(str(s["name"]) for s in program.inputs)
         t0 = time.perf_counter()
         self._stitch = GraphProgram(program.stitch)
         self._modules: dict[str, Callable[..., Any]] = {}
@@ -85,7 +94,7 @@ class Runner:
                                                        artifacts[str(p.uid)], p.returns_tuple)
             else:
                 self._modules[p.name] = _SplittingPiece(GraphProgram(p.graph or {"nodes": []}))
-        self._bind(model)
+        self._bind(self.model)
         self.timings.add("bind", time.perf_counter() - t0)
 
     @property
@@ -104,7 +113,8 @@ class Runner:
             t = state.get(str(slot.fqn))
             if t is None:
                 raise LoadError(f"the model has no {slot.kind} {slot.fqn!r} that the compiled "
-                                "program takes; bind the module the manifest describes")
+                                f"program takes; bind the module the manifest describes "
+                                f"({type(model).__name__} has e.g. {next(iter(state), 'nothing')!r})")
             if t.device.type != torch.device(self.program.device).type:
                 raise LoadError(f"{slot.kind} {slot.fqn!r} is on {t.device}, the program runs on "
                                 f"{self.program.device}; move the model first")
@@ -116,8 +126,32 @@ class Runner:
                                 f"was compiled for {slot.shape}")
             self._bound.append(t)
 
+    def arrange(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        """The inputs in the program's order from a positional and/or keyword call (the
+        manifest's input names); an unknown, repeated or missing name is an ``InputError``."""
+        names = self.input_names
+        if not kwargs:
+            if len(args) != len(names):
+                raise InputError(f"expected {len(names)} inputs ({', '.join(names)}), got {len(args)}")
+            return list(args)
+        if len(args) > len(names):
+            raise InputError(f"expected {len(names)} inputs ({', '.join(names)}), got {len(args)} "
+                             "positional ones")
+        given: dict[str, Any] = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise InputError(f"unknown input {k!r}; the program takes {', '.join(names)}")
+            if k in given:
+                raise InputError(f"input {k!r} given twice (by position and by name)")
+            given[k] = v
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise InputError(f"missing input {missing[0]!r}; the program takes {', '.join(names)}")
+        return [given[n] for n in names]
+
     def check_inputs(self, inputs: Sequence[Any]) -> int:
-        """Validate inputs against the recorded spec; return the token count."""
+        """Validate inputs (in the program's order) against the recorded spec; return the token
+        count."""
         specs = self.program.inputs
         if len(inputs) != len(specs):
             raise InputError(f"expected {len(specs)} inputs ({', '.join(s['name'] for s in specs)}), "
@@ -152,6 +186,25 @@ class Runner:
                              f"{self.program.min_dynamic_tokens}; add {n} to compile_sizes")
         return n
 
+    def kernel_error(self, piece: _CompiledPiece, n: int, e: BaseException) -> AotcError:
+        """A compiled kernel's failure, told in the caller's terms: which piece at which size,
+        the kernel's own words without compile-time paths, and an input outside the range the
+        manifest declares (a token id beyond the vocabulary) when the call has one."""
+        text = " ".join(_PATH.sub("", str(e)).split())
+        text = re.sub(r"^kernel,\s*(?::\d+)?,\s*", "", text)[:300]  # "kernel, <path>:44, why"
+        inputs = getattr(self._local, "inputs", None) or ()
+        for t, spec in zip(inputs, self.program.inputs):
+            high, low = spec.get("high"), spec.get("low") or 0
+            if high is None or t.dtype.is_floating_point or t.dtype == torch.bool or not t.numel():
+                continue
+            lo, hi = int(t.min()), int(t.max())
+            if lo < low or hi >= high:
+                bad = hi if hi >= high else lo
+                return InputError(f"input {spec['name']!r} holds {bad}, outside [{low}, {high}) "
+                                  f"(the manifest's low/high); piece {piece.name} ({n} tokens) "
+                                  f"failed: {text}")
+        return RunError(f"piece {piece.name} (unique piece {piece.uid[:8]}, {n} tokens) failed: {text}")
+
     def bound_tensors(self) -> list[torch.Tensor]:
         """The model's parameters and buffers the program reads (fixed addresses)."""
         return [t for t in self._bound if t is not None]
@@ -159,6 +212,37 @@ class Runner:
     def dummy_inputs(self, n: int) -> list[torch.Tensor]:
         """Zero inputs of ``n`` tokens (warm-up and graph capture)."""
         return dummy_inputs(self.program.inputs, n, self.program.device)
+
+    def warmup(self, sizes: Sequence[int] | None = None) -> float:
+        """Run every compiled artifact once (default: each compile size and one dynamic size) on
+        zero inputs, so the first real call pays no one-time cost (torch's custom-op machinery,
+        kernel libraries' first touch). Buffers the program mutates (a KV cache) are restored
+        afterwards. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if sizes is None:
+            dyn = [n for n in range(max(2, self.program.min_dynamic_tokens), self.program.max_tokens + 1)
+                   if n not in self.program.compile_sizes][:1]
+            sizes = [*self.program.compile_sizes, *dyn]
+        buffers = [t for t, s in zip(self._bound, self.program.slots) if s.kind == "buffer"]
+        saved = [b.clone() for b in buffers]
+        try:
+            for n in sizes:
+                self.run_at(self.dummy_inputs(int(n)), int(n))
+        finally:
+            with torch.no_grad():
+                for b, v in zip(buffers, saved):
+                    b.copy_(v)
+        seconds = time.perf_counter() - t0
+        self.timings.add("warmup", seconds)
+        return seconds
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The bound model itself, called as the program is (by name, declared output picked):
+        the reference a compiled call is compared with."""
+        inputs = self.arrange(args, kwargs)
+        with torch.no_grad():
+            out = self.model(**dict(zip(self.input_names, inputs)))
+        return pick_output(out, self.program.output)
 
     def capture_graphs(self, mode: str, sizes: Sequence[int], graph_cls: type | None = None) -> None:
         """Capture CUDA graphs (``aotc.cudagraph``: ``piecewise`` or ``full``) for ``sizes``;
@@ -169,7 +253,9 @@ class Runner:
         self.graphs = capture_graphs(self, mode, sizes, device=self.program.device, **kwargs)
         self.timings.add("capture", time.perf_counter() - t0)
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t
+                  for t in self.arrange(args, kwargs)]  # a strided view (ids[::2]) is copied
         n = self.check_inputs(inputs)
         c = self.graphs.serves(n) if self.graphs is not None else None
         if c is not None:
@@ -181,6 +267,7 @@ class Runner:
         """Run the stitched program on checked inputs of ``n`` tokens (no graphs replayed unless
         the graph set is replaying)."""
         self._local.tokens = n
+        self._local.inputs = inputs
         args = []
         for slot, bound in zip(self.program.slots, self._bound):
             if bound is not None:
@@ -189,8 +276,13 @@ class Runner:
                 args.append(inputs[int(slot.index)])  # type: ignore[arg-type]
             else:
                 args.append(int(inputs[int(slot.index)].shape[int(slot.dim)]))  # type: ignore[arg-type]
-        with torch.no_grad():
-            out = self._stitch(self._modules, *args)
+        try:
+            with torch.no_grad():
+                out = self._stitch(self._modules, *args)
+        finally:
+            self._local.inputs = None
+        if isinstance(self.program.output, (list, tuple)):
+            return tuple(out)
         if isinstance(out, (list, tuple)) and len(out) == 1:
             return out[0]
         return out

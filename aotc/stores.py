@@ -11,15 +11,17 @@ from aotc.cache import Store, default_store_path
 from aotc.manifest import Manifest, load_manifest
 
 
-def open_store(store: Any, manifest: Manifest | None = None) -> Store:
-    """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default."""
+def open_store(store: Any, manifest: Manifest | None = None, create: bool = False) -> Store:
+    """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default.
+    ``create``: make it when missing (journeys that write); otherwise a missing store is a
+    ``StoreNotFoundError`` naming the path."""
     if isinstance(store, Store):
         return store
     if store is not None:
-        return Store(store)
+        return Store(store, create=create)
     if manifest is not None and manifest.store is not None:
-        return Store(manifest.store)
-    return Store(default_store_path())
+        return Store(manifest.store, create=create)
+    return Store(default_store_path(), create=create)
 
 
 def split_store(store: Any, remote: Any = None) -> tuple[Any, Any]:

@@ -2,12 +2,13 @@
 
 from aotc.cache.errors import (
     AotcError, CacheMiss, CorruptedCacheError, CorruptedIndexError, StoreError, StoreLockedError,
+    StoreNotFoundError, StoreReadOnlyError,
 )
 from aotc.cache.store import Entry, Store, default_store_path
 
 __all__ = [
     "AotcError", "CacheMiss", "CorruptedCacheError", "CorruptedIndexError", "StoreError", "StoreLockedError",
-    "Entry", "Store", "default_store_path",
+    "StoreNotFoundError", "StoreReadOnlyError", "Entry", "Store", "default_store_path",
 ]
 
 from aotc.cache.maintenance import (  # noqa: E402

@@ -17,9 +17,9 @@ class StoreError(AotcError):
 class CacheMiss(StoreError):
     """No entry under the key asked for."""
 
-    def __init__(self, key: str, hint: str = "") -> None:
+    def __init__(self, key: str, hint: str = "", label: str = "key") -> None:
         self.key = key
-        msg = f"no store entry for key {key[:16]}…"
+        msg = f"no store entry for {label} {key[:16]}…"
         super().__init__(msg + (f"; {hint}" if hint else ""))
 
 
@@ -55,3 +55,22 @@ class StoreLockedError(StoreError):
             f"store index {path} stayed locked for {seconds:.0f}s by another process; "
             "retry, or find the process holding it (`fuser {path}`)"
         )
+
+
+class StoreNotFoundError(StoreError):
+    """A command that only reads was pointed at a directory that holds no store."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        super().__init__(
+            f"no aotc store at {root} (no store-v1/index.sqlite there); check --store / "
+            "AOTC_STORE, or create it by compiling (`aotc compile`), importing or pulling into it"
+        )
+
+
+class StoreReadOnlyError(StoreError):
+    """A write was asked of a store opened read-only (a read-only volume)."""
+
+    def __init__(self, root: str, what: str) -> None:
+        super().__init__(f"store {root} is read-only: cannot {what}; use a writable store "
+                         "(--store DIR / AOTC_STORE) for that")

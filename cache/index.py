@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import sqlite_utils
 
-from aotc.cache.errors import CorruptedIndexError, StoreError, StoreLockedError
+from aotc.cache.errors import CorruptedIndexError, StoreError, StoreLockedError, StoreReadOnlyError
 
 SCHEMA_VERSION = 1
 
@@ -36,16 +36,37 @@ def _is_locked(exc: sqlite3.OperationalError) -> bool:
 class Index:
     """One connection per thread to ``index.sqlite`` in WAL mode with a busy timeout."""
 
-    def __init__(self, path: Path, busy_timeout: float = 30.0) -> None:
+    def __init__(self, path: Path, busy_timeout: float = 30.0, read_only: bool = False) -> None:
         self.path = path
         self.busy_timeout = busy_timeout
+        self.read_only = read_only
+        self._uri: str | None = None  # read-only: how this index opens (mode=ro or immutable)
         self._local = threading.local()
         try:
             with self._translate():
-                self._create_schema()
+                if read_only:
+                    self._open_read_only()
+                else:
+                    self._create_schema()
         except BaseException:
             self.close()  # a failed open must not keep a connection (and its locks) alive
             raise
+
+    def _open_read_only(self) -> None:
+        """``mode=ro`` reads a WAL index whose side files exist; on a read-only volume they
+        cannot be made, and ``immutable=1`` (no locks, no WAL: the volume cannot change under
+        us) is what sqlite offers."""
+        from urllib.parse import quote
+
+        base = "file:" + quote(str(self.path.resolve()))
+        for uri in (base + "?mode=ro", base + "?immutable=1"):
+            self._uri = uri
+            try:
+                self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+                return
+            except sqlite3.OperationalError:
+                self.close()
+        raise StoreError(f"cannot open the read-only store index {self.path}")
 
     # -- connection -------------------------------------------------------------------------
     @property
@@ -54,7 +75,8 @@ class Index:
         if conn is None:
             try:
                 conn = sqlite3.connect(
-                    str(self.path), timeout=self.busy_timeout, isolation_level=None
+                    self._uri or str(self.path), timeout=self.busy_timeout, isolation_level=None,
+                    uri=self._uri is not None,
                 )
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot open store index {self.path}: {exc}") from exc
@@ -138,6 +160,8 @@ class Index:
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """An immediate (write-locked) transaction: commit on success, roll back on error."""
+        if self.read_only:
+            raise StoreReadOnlyError(str(self.path.parent.parent), "change its index")
         conn = self.conn
         with self._translate():
             conn.execute("BEGIN IMMEDIATE")
@@ -172,5 +196,7 @@ class Index:
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> int:
         """One autocommitted statement (used for accounting: hits, last use, events); returns
         the number of rows it changed."""
+        if self.read_only:
+            raise StoreReadOnlyError(str(self.path.parent.parent), "record use")
         with self._translate():
             return int(self.conn.execute(sql, params).rowcount)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from aotc.cache import blobio, workdirs
-from aotc.cache.errors import CorruptedIndexError
+from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError
 from aotc.cache.humanize import format_size
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
     DEFAULT_MIN_IDLE, DEFAULT_TMP_GRACE, EntryInfo, StoreScan, _blob_files, scan,
@@ -72,6 +72,8 @@ class VerifyReport:
 def verify(store: Store, repair: bool = False, tmp_grace: float = DEFAULT_TMP_GRACE) -> VerifyReport:
     """Re-hash every referenced blob once; name each bad entry and blob. With ``repair``, evict
     bad entries, orphan blobs and stale staging files (marking entries bad as it goes)."""
+    if repair and store.read_only:
+        raise StoreReadOnlyError(str(store.root), "repair it")
     problems: list[Problem] = []
     bad: dict[str, str] = {}
     bad_digest: dict[str, str] = {}  # entry -> the blob found bad (marking is conditional on it)
@@ -148,7 +150,7 @@ def verify_at(root: str | os.PathLike[str], repair: bool = False,
     from aotc.cache.store import Store
 
     try:
-        store = Store(root)
+        store = Store(root, create=False)
         try:  # damage past page 1 shows only in queries: check the whole file first
             bad = store.index.query("PRAGMA quick_check")
             if [r for r in bad if list(r.values()) != ["ok"]]:
@@ -243,6 +245,7 @@ class GcPlan:
     size_before: int
     max_size: int | None
     min_idle: float = DEFAULT_MIN_IDLE
+    protected: tuple[EntryInfo, ...] = ()  # over max_size but spared: used within min_idle
 
     @property
     def expected_freed_size_str(self) -> str:
@@ -273,7 +276,8 @@ class GcPlan:
         return {"entries": [e.to_json() for e in self.entries],
                 "orphan_blobs": list(self.orphan_blobs), "tmp_files": list(self.tmp_files),
                 "expected_freed_size": self.expected_freed_size, "size_before": self.size_before,
-                "max_size": self.max_size, "min_idle": self.min_idle}
+                "max_size": self.max_size, "min_idle": self.min_idle,
+                "protected": [e.to_json() for e in self.protected]}
 
 
 def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAULT_TMP_GRACE,
@@ -295,6 +299,7 @@ def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAUL
                    for p in tmp if p.exists())
     freed = tmp_size + sum(sizes.get(d, 0) for d in s.orphan_blobs)
     victims: list[EntryInfo] = []
+    protected: list[EntryInfo] = []
     if max_size is not None:
         users: dict[str, set[str]] = {}
         for r in store.index.query("SELECT key, digest FROM entry_blobs"):
@@ -306,6 +311,7 @@ def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAUL
             if remaining <= max_size:
                 break
             if max(entry.last_used, entry.created) > recent:
+                protected.append(entry)
                 continue
             gone.add(entry.key)
             victims.append(entry)
@@ -316,7 +322,8 @@ def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAUL
                     keys.clear()  # counted once
     return GcPlan(store=store, entries=tuple(victims), orphan_blobs=s.orphan_blobs,
                   tmp_files=s.stale_tmp_files, expected_freed_size=freed,
-                  size_before=s.size_on_disk, max_size=max_size, min_idle=min_idle)
+                  size_before=s.size_on_disk, max_size=max_size, min_idle=min_idle,
+                  protected=tuple(protected))
 
 
 def parse_size(text: str) -> int:

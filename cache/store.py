@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from aotc.cache import blobio
-from aotc.cache.errors import CacheMiss, CorruptedCacheError, StoreError
+from aotc.cache.errors import CacheMiss, CorruptedCacheError, StoreError, StoreNotFoundError, StoreReadOnlyError
 from aotc.cache.index import Index
 
 LAYOUT = "store-v1"
@@ -87,29 +88,49 @@ def _validate_key(key: object) -> str:
     return key  # type: ignore[return-value]
 
 
-class Store:
-    """A store rooted at ``root`` (created on first use). Safe across threads and processes."""
+_ANNOUNCED_READ_ONLY: set[str] = set()
 
-    def __init__(self, root: str | os.PathLike[str], busy_timeout: float = 30.0) -> None:
+
+class Store:
+    """A store rooted at ``root``. Safe across threads and processes.
+
+    ``create``: make the store when ``root`` holds none (commands that write: compile, import,
+    pull); otherwise a missing store is a ``StoreNotFoundError`` naming the path. A store whose
+    directory this process cannot write (a read-only volume or image layer) opens read-only:
+    entries are read and verified as usual, hits and last use are not recorded (said once on
+    stderr), and anything that would write raises ``StoreReadOnlyError``."""
+
+    def __init__(self, root: str | os.PathLike[str], busy_timeout: float = 30.0,
+                 create: bool = True) -> None:
         self.root = Path(root).expanduser()
         self.base = self.root / LAYOUT
         self.blobs_dir = self.base / "blobs"
         self.tmp_dir = self.base / "tmp"
         self.index_path = self.base / "index.sqlite"
-        try:
-            self.blobs_dir.mkdir(parents=True, exist_ok=True)
-            self.tmp_dir.mkdir(parents=True, exist_ok=True)
-            tag = self.root / "CACHEDIR.TAG"
-            if not tag.exists():
-                tag.write_text(CACHEDIR_TAG)
-            ignore = self.root / ".gitignore"
-            if not ignore.exists():
-                ignore.write_text("*\n")
-        except OSError as exc:
-            raise StoreError(
-                f"cannot create the store at {self.root}: {exc}; pass --store DIR or set AOTC_STORE"
-            ) from exc
-        self.index = Index(self.index_path, busy_timeout=busy_timeout)
+        exists = self.index_path.is_file()
+        if not exists and not create:
+            raise StoreNotFoundError(str(self.root))
+        self.read_only = exists and not os.access(self.base, os.W_OK)
+        if self.read_only:
+            if str(self.root) not in _ANNOUNCED_READ_ONLY:
+                _ANNOUNCED_READ_ONLY.add(str(self.root))
+                sys.stderr.write(f"aotc: store {self.root} is read-only: serving from it; hits and "
+                                 "last-use times are not recorded\n")
+        else:
+            try:
+                self.blobs_dir.mkdir(parents=True, exist_ok=True)
+                self.tmp_dir.mkdir(parents=True, exist_ok=True)
+                tag = self.root / "CACHEDIR.TAG"
+                if not tag.exists():
+                    tag.write_text(CACHEDIR_TAG)
+                ignore = self.root / ".gitignore"
+                if not ignore.exists():
+                    ignore.write_text("*\n")
+            except OSError as exc:
+                raise StoreError(
+                    f"cannot create the store at {self.root}: {exc}; pass --store DIR or set AOTC_STORE"
+                ) from exc
+        self.index = Index(self.index_path, busy_timeout=busy_timeout, read_only=self.read_only)
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r})"
@@ -138,6 +159,8 @@ class Store:
 
         Putting a key that exists replaces it (two compiles of one key leave one entry)."""
         _validate_key(key)
+        if self.read_only:
+            raise StoreReadOnlyError(str(self.root), f"store entry {key[:16]}…")
         factors_json = json.dumps(dict(factors or {}), sort_keys=True)
         metadata_json = json.dumps(dict(metadata or {}), sort_keys=True)
         for role in blobs:
@@ -208,7 +231,7 @@ class Store:
                 (key,),
             ) if rows else []
         if not rows:
-            if record:
+            if record and not self.read_only:
                 self._event(key, "miss", None)
             raise CacheMiss(key)
         row = rows[0]
@@ -233,7 +256,7 @@ class Store:
         except (TypeError, ValueError) as exc:
             self.mark_bad(key, f"index row is garbage ({exc})")
             raise CorruptedCacheError(key, "entry", "-" * 16, f"index row is garbage ({exc})") from exc
-        if record:  # marks the entry in use: gc spares it (min_idle) from here on
+        if record and not self.read_only:  # marks the entry in use: gc spares it (min_idle)
             changed = self.index.execute(
                 "UPDATE entries SET hits = hits + 1, last_used = ? WHERE key = ?", (time.time(), key)
             )
@@ -311,7 +334,10 @@ class Store:
     # -- bookkeeping ------------------------------------------------------------------------
     def mark_bad(self, key: str, reason: str, digest: str | None = None) -> bool:
         """Flag an entry so it is never used again until repaired or re-put. With ``digest``,
-        only while the entry still refers to that blob. Returns whether it was flagged."""
+        only while the entry still refers to that blob. Returns whether it was flagged
+        (a read-only store cannot keep the flag: the damage is reported all the same)."""
+        if self.read_only:
+            return True
         with self.index.write() as conn:
             if digest is not None and not conn.execute(
                     "SELECT 1 FROM entry_blobs WHERE key = ? AND digest = ? LIMIT 1",
@@ -328,6 +354,8 @@ class Store:
         self._event(key, "miss", detail)
 
     def _event(self, key: str | None, kind: str, detail: str | None) -> None:
+        if self.read_only:
+            return
         self.index.execute(
             "INSERT INTO events (time, key, kind, detail) VALUES (?, ?, ?, ?)",
             (time.time(), key, kind, detail),

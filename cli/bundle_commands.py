@@ -48,7 +48,7 @@ def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], as_json
     app.local_only("import")
     from aotc.trust import trust_policy
 
-    result = import_bundle(app.store, Path(bundle), trusted=trust_policy(trust))
+    result = import_bundle(app.writable_store, Path(bundle), trusted=trust_policy(trust))
     if as_json:
         print_json(result.to_json())
         return

@@ -42,9 +42,16 @@ class AppContext:
 
     @property
     def store(self) -> Store:
-        """The local store."""
+        """The local store; it must exist (commands that only read never create one)."""
         if self._store is None:
-            self._store = Store(self.store_path)
+            self._store = Store(self.store_path, create=False)
+        return self._store
+
+    @property
+    def writable_store(self) -> Store:
+        """The local store, created when missing (compile, import, pull write into it)."""
+        if self._store is None:
+            self._store = Store(self.store_path, create=True)
         return self._store
 
     def remote(self, url: str | None = None, required: str = "") -> Any:

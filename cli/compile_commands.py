@@ -12,15 +12,16 @@ from aotc.cache.humanize import format_size
 from aotc.cli.common import AppContext, echo_err, guard, print_json
 
 
-def _store_for(ctx: click.Context, manifest: Any) -> Any:
-    """``--store`` / ``AOTC_STORE`` win; else the manifest's ``store:``; else the default."""
+def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:
+    """``--store`` / ``AOTC_STORE`` win; else the manifest's ``store:``; else the default.
+    ``create``: make it when missing (only commands that write do)."""
     from aotc.stores import open_store
 
     app: AppContext = ctx.obj
     explicit = ctx.find_root().params.get("store_path") or os.environ.get("AOTC_STORE")
     if explicit or manifest.store is None:
-        return app.store
-    return open_store(manifest.store)
+        return app.writable_store if create else app.store
+    return open_store(manifest.store, create=create)
 
 
 @click.command("compile")
@@ -41,7 +42,7 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
     from aotc.progress import Progress
 
     m = load_manifest(manifest)  # a bad manifest fails before the store is touched
-    store = _store_for(ctx, m)
+    store = _store_for(ctx, m, create=True)
     app: AppContext = ctx.obj
     remote = app.remote() if app.store_is_remote else None  # `--store s3://…`: publish there
     result = compile_manifest(m, store=store, force=force, progress=Progress(quiet=quiet), jobs=jobs)
@@ -65,7 +66,7 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
     click.echo(
         f"{result.name}: compiled {result.pieces} pieces ({result.unique_pieces} unique), "
         f"{result.compiles} Inductor compiles"
-        + (f" ({result.resumed} more resumed from an interrupted compile)" if result.resumed else "")
+        + (f" ({result.resumed} more reused from {result.resumed_from})" if result.resumed else "")
         + f", max abs err {result.max_abs_err:.3g}\n"
         f"  {phases}\n  stored {format_size(result.bytes_stored)} under key {result.key}\n"
         f"  store {result.store}"
@@ -128,9 +129,10 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
     from aotc.run import check_report, run_manifest
 
     m = load_manifest(manifest)
-    store = _store_for(ctx, m)
+    remote = ctx.obj.remote()
+    store = _store_for(ctx, m, create=remote is not None)  # pull-through writes into it
     report = run_manifest(m, sizes, store=store, check_eager=check_eager, trust=trust,
-                          remote=ctx.obj.remote())
+                          remote=remote)
     if as_json:
         print_json(report)
     else:
@@ -142,10 +144,16 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
         if g:
             click.echo(f"  CUDA graphs ({g['mode']}): {g['graphs']} captured for sizes "
                        f"{g['sizes']} in {g['seconds']:.2f}s, pool {format_size(g['pool_bytes'])}")
-        for n, e in report["sizes"].items():
+        first = report.get("first_call")
+        if first:
+            click.echo(f"  first call ({first['tokens']} tokens): {first['seconds']:.2f}s, one-time "
+                       "costs included (Runner.warmup() pays them before serving)")
+        for i, (n, e) in enumerate(report["sizes"].items()):
             err = f", max abs err vs eager {e['max_abs_err']:.3g}" if "max_abs_err" in e else ""
             via = f" (graphs at {e['graph_size']})" if e.get("graph_size") else ""
-            click.echo(f"  {n:>5} tokens: {e['seconds'] * 1000:.1f} ms -> {e['shape']}{err}{via}")
+            first_mark = " (first call)" if i == 0 else ""
+            click.echo(f"  {n:>5} tokens: {e['seconds'] * 1000:.1f} ms{first_mark} -> "
+                       f"{e['shape']}{err}{via}")
     check_report(report)
 
 

@@ -96,7 +96,7 @@ def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str
     from aotc.trust import trust_policy
 
     remote = app.remote(url, required="pull")
-    store, trusted = app.store, trust_policy(trust)
+    store, trusted = app.writable_store, trust_policy(trust)
     progress = Progress(quiet=quiet or as_json)
     if Path(target).is_file():
         from aotc.manifest import load_manifest

@@ -183,3 +183,8 @@ def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: 
         f"{len(plan.entries)} entries, {len(plan.orphan_blobs)} orphan blobs, "
         f"{len(plan.tmp_files)} staging files (store was {format_size(plan.size_before)})"
     )
+    if plan.protected:
+        click.echo(f"kept {len(plan.protected)} entries over --max-size that were written or read "
+                   f"in the last {plan.min_idle:g}s (--min-idle; a loader may be reading them): "
+                   + ", ".join(f"{e.name} {e.key_short}" for e in plan.protected[:5])
+                   + (" …" if len(plan.protected) > 5 else ""))

@@ -93,12 +93,35 @@ def compiled(tmp_path_factory):
         m = toy_manifest(tmp, layers)
         before = counters_snapshot()
         results[layers] = (m, compile_manifest(m, store=store), before, counters_snapshot())
-    hf = tmp / "hf.yaml"
-    data = yaml.safe_load((ROOT / "manifests" / "tiny-hf-llama.yaml").read_text())
-    data["compile_sizes"] = [1]  # size 1: the backed HF graph serves >= 2 tokens
-    hf.write_text(yaml.safe_dump(data))
+    hf = hf_manifest(tmp)
     results["hf"] = (hf, compile_manifest(hf, store=store), None, None)
     return tmp, store, results
+
+
+POSITION_SHIFT = 5  # positions arange + 5: a position fed to the wrong parameter shows
+
+
+def hf_manifest(tmp: Path, dtype: str = "float32", name: str = "tiny-hf-llama", **extra) -> Path:
+    """The shipped tiny HF Llama manifest over a model directory written with ``save_pretrained``
+    (seeded random weights, safetensors), positions shifted by ``POSITION_SHIFT``, compile
+    size 1 (the backed HF graph serves >= 2 tokens)."""
+    model_dir = tmp / "hf-model"
+    if not model_dir.is_dir():
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        data = yaml.safe_load((ROOT / "manifests" / "tiny-hf-llama.yaml").read_text())
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**data["model"]["hf"]["config"])).save_pretrained(model_dir)
+    data = yaml.safe_load((ROOT / "manifests" / "tiny-hf-llama.yaml").read_text())
+    data["name"] = name
+    data["model"]["hf"]["config"] = str(model_dir)
+    data["model"]["weights"] = str(model_dir)
+    data["inputs"][1]["low"] = POSITION_SHIFT
+    data.update({"dtype": dtype, "compile_sizes": [1], **extra})
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 @pytest.fixture(scope="session")

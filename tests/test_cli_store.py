@@ -49,8 +49,9 @@ def test_store_location_from_env(tmp_path: Path) -> None:
     assert len(json.loads(res.output)["entries"]) == 2
     res = CliRunner(env={"AOTC_STORE": None, "XDG_CACHE_HOME": str(tmp_path / "xdg")}).invoke(
         cli, ["inspect", "cache"], catch_exceptions=False)
-    assert res.exit_code == 0
-    assert (tmp_path / "xdg" / "aotc" / "CACHEDIR.TAG").is_file()
+    assert res.exit_code == 1  # the default location, empty: named, not created by a reader
+    assert str(tmp_path / "xdg" / "aotc") in res.output and "no aotc store" in res.output
+    assert not (tmp_path / "xdg" / "aotc").exists()
 
 
 def test_verify_exit_codes_and_repair(tmp_path: Path) -> None:
@@ -89,7 +90,13 @@ def test_gc_dry_run_then_real(tmp_path: Path) -> None:
 def test_unusable_store_path_is_one_line_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")
-    res = run("--store", str(blocker / "sub"), "inspect", "cache")
+    res = run("--store", str(blocker / "sub"), "inspect", "cache")  # a reader: names the path
+    assert res.exit_code == 1
+    assert res.output.startswith(f"Error: no aotc store at {blocker / 'sub'}") \
+        and res.output.count("\n") == 1
+    from tests.conftest import tiny_manifest
+
+    res = run("--store", str(blocker / "sub"), "compile", str(tiny_manifest(tmp_path)))  # a writer
     assert res.exit_code == 1
     assert res.output.startswith("Error: cannot create the store") and res.output.count("\n") == 1
 

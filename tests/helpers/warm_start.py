@@ -29,7 +29,8 @@ def main() -> None:
     import torch
 
     import aotc
-    from aotc.build import make_inputs
+    from aotc.build import make_named_inputs
+    from aotc.checking import flat_tensors
     from aotc.inductor import counters_snapshot
     from aotc.manifest import load_manifest
 
@@ -43,9 +44,9 @@ def main() -> None:
     inductor_modules = sorted(m for m in sys.modules if m.startswith("torch._inductor"))
     errs = {}
     for n in sizes:
-        x = make_inputs(manifest, n, seed=5)
-        with torch.no_grad():
-            errs[n] = float((runner(*x) - runner.model(*x)).abs().max())
+        x = make_named_inputs(manifest, n, seed=5)
+        got, want = flat_tensors(runner(**x)), flat_tensors(runner.eager(**x))
+        errs[n] = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
     print(json.dumps({"errs": errs, "counters": counters_snapshot(), "commands": COMMANDS,
                       "inductor_modules": inductor_modules,
                       "import_s": t_import, "load_s": t_load, "phases": runner.timings.phases}))

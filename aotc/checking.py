@@ -1,0 +1,93 @@
+"""Compiled vs eager on the same inputs and the same state: the compile-time numeric check and
+``aotc run --check-eager`` both use it.
+
+Stateful models (a forward that writes its own buffers, such as a KV cache) are compared fairly:
+both runs start from one snapshot of every buffer, the buffers either run changed are compared
+as outputs too, and the snapshot is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+
+def flat_tensors(out: Any) -> list[Any]:
+    """The tensors of a model output, flattened in order (a tensor, or tuples/lists of them)."""
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in flat_tensors(o)]
+    return [out]
+
+
+@dataclass
+class Comparison:
+    """The outcome of one :func:`compare_runs`: worst errors, what exceeded the tolerance, and
+    which buffers the call mutated."""
+
+    max_abs_err: float = 0.0
+    max_rel_err: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    mutated: set[str] = field(default_factory=set)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float, float, bool]:
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) \
+            or got.shape != want.shape:
+        return float("inf"), float("inf"), False
+    diff = (got.float() - want.float()).abs()
+    abs_err = float(diff.max()) if diff.numel() else 0.0
+    rel_err = float((diff / want.float().abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
+    return abs_err, rel_err, bool(torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol))
+
+
+def compare_runs(compiled: Callable[[], Any], eager: Callable[[], Any],
+                 buffers: Mapping[str, torch.Tensor], atol: float, rtol: float) -> Comparison:
+    """Run ``eager`` and ``compiled`` (no arguments: bind the inputs) from the same snapshot of
+    ``buffers`` and compare their outputs and the buffers either one changed. The buffers are
+    back at the snapshot afterwards."""
+    snapshot = {k: b.clone() for k, b in buffers.items()}
+    result = Comparison()
+    with torch.no_grad():
+        try:
+            want = flat_tensors(eager())
+            eager_state = {k: b.clone() for k, b in buffers.items() if not torch.equal(b, snapshot[k])}
+            _restore(buffers, snapshot)
+            got = flat_tensors(compiled())
+            changed = {k for k, b in buffers.items() if not torch.equal(b, snapshot[k])}
+            pairs: list[tuple[str, Any, Any]] = [
+                (f"output {i}", g, w) for i, (g, w) in enumerate(zip(got, want))]
+            if len(got) != len(want):
+                pairs.append((f"{len(got)} outputs, eager has {len(want)}", None, None))
+            result.mutated = changed | set(eager_state)
+            pairs += [(f"buffer {k!r}", buffers[k].clone(), eager_state.get(k, snapshot[k]))
+                      for k in sorted(result.mutated)]
+        finally:
+            _restore(buffers, snapshot)
+    for what, g, w in pairs:
+        abs_err, rel_err, ok = _errors(g, w, atol, rtol)
+        result.max_abs_err = max(result.max_abs_err, abs_err)
+        result.max_rel_err = max(result.max_rel_err, rel_err)
+        if not ok:
+            result.failures.append(f"{what}: max abs err {abs_err:.3g}")
+    return result
+
+
+def _restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, b in buffers.items():
+            if not torch.equal(b, snapshot[k]):
+                b.copy_(snapshot[k])
+
+
+def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every buffer of ``model`` by name (what a stateful forward may write)."""
+    return dict(model.named_buffers(remove_duplicate=False))
+
+
+__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors", "model_buffers"]
