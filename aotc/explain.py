@@ -24,8 +24,9 @@ def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str,
                            f"to compare with; run `aotc compile {m.path or 'MANIFEST'}`"}
     diffs = [d.describe() for d in res.diffs]
     return {"hit": False, "key": None, "probe": res.probe, "closest": res.closest.key, "differences": diffs,
-            "summary": f"{m.name}: miss; closest entry {res.closest.key[:16]}… differs in "
-                       f"{len(diffs)} factor(s) (stored -> current):"}
+            "summary": f"{m.name}: miss; lookup key {res.probe[:16]}… (every factor but the "
+                       f"traced sources); the closest stored entry, key {res.closest.key[:16]}…, "
+                       f"differs in {len(diffs)} factor(s) (stored -> current):"}
 
 
 def match_key(text: str, keys_with_prefix: Callable[[str], list[str]], where: str,
@@ -60,9 +61,10 @@ def entry_key_for(store: Store, target: str) -> str:
     if Path(target).is_file():
         report = explain_manifest(target, store)
         if not report["hit"]:
-            raise CacheMiss(report.get("probe") or "0" * 64,
-                            hint=f"{target} is not compiled in {store.root} for this machine; "
-                                 f"run `aotc compile {target}`")
+            closest = f"; the closest stored entry is {report['closest'][:16]}…" if report["closest"] else ""
+            raise CacheMiss(report["probe"], label="lookup key",
+                            hint=f"{target} is not compiled in {store.root} for this machine"
+                                 f"{closest}; run `aotc compile {target}`")
         return str(report["key"])
     return resolve_key(store, target)
 

@@ -71,9 +71,9 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
         why += (" in " + ", ".join(d.path for d in res.diffs[:4])) if res.diffs else ""
     elif res.diffs:
         why = "; differs from the closest entry in " + ", ".join(d.path for d in res.diffs[:4])
-        changed = [d.path.removeprefix("code.") for d in res.diffs if d.path.startswith("code.")]
-        if changed:
-            why += f" (changed source file: {', '.join(changed[:3])})"
+    changed = [d.path.removeprefix("code.") for d in res.diffs if d.path.startswith("code.")]
+    if changed:
+        why += f" (changed source file: {', '.join(changed[:3])})"
     where_remote = f" nor in {remote.url}" if remote is not None else ""
     raise CacheMiss(res.probe, label="lookup key (every factor but the traced sources)",
                     hint=f"{manifest.name} is not compiled for this machine{where_remote}{why}; run "
