@@ -34,6 +34,7 @@ import torch.fx
 
 from aotc import wrapper
 from aotc.errors import CompileError, LoadError
+from aotc.split import undefined_outputs
 from aotc.inductor_facts import (  # noqa: F401 - re-exported: callers use aotc.inductor
     CONFIG_FACTOR_KEYS, _config_patch, config_values, counters_snapshot, reset_counters,
     toolchain_factors,
@@ -222,30 +223,6 @@ def _is_symbolic(v: Any) -> bool:
 def _graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     return isinstance(out.args[0], (tuple, list))
-
-
-_EMPTY_FUNCTIONS = {"empty", "empty_like", "empty_strided"}
-_EMPTY_METHODS = {"new_empty", "new_empty_strided"}
-
-
-def undefined_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
-    """Positions of the piece's outputs that the piece allocates (``torch.empty_like`` …) and
-    never writes: a later piece fills them (vLLM's out-variant attention takes its ``output``
-    this way), so their contents are undefined when the piece returns."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    found = set()
-    for i, v in enumerate(values):
-        if not isinstance(v, torch.fx.Node) or set(v.users) != {out}:
-            continue
-        target = v.target
-        if v.op == "call_method" and target in _EMPTY_METHODS:
-            found.add(i)
-        elif v.op == "call_function":
-            name = target.name() if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", "")
-            if name.split("::")[-1].split(".")[0] in _EMPTY_FUNCTIONS:
-                found.add(i)
-    return frozenset(found)
 
 
 def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: str) -> str:

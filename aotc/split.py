@@ -26,7 +26,7 @@ from torch.fx.passes.split_module import split_module
 
 from aotc.errors import SplitError
 
-__all__ = ["Piece", "SplitResult", "node_op_names", "split"]
+__all__ = ["Piece", "SplitResult", "node_op_names", "split", "undefined_outputs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +173,30 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
                     f"piece {p.name} should hold one splitting-op call, has {len(calls)}"
                 )
     return SplitResult(stitch=stitch, pieces=pieces, warnings=warnings)
+
+
+_EMPTY_FUNCTIONS = {"empty", "empty_like", "empty_strided"}
+_EMPTY_METHODS = {"new_empty", "new_empty_strided"}
+
+
+def undefined_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Positions of the piece's outputs that the piece allocates (``torch.empty_like`` …) and
+    never writes: a later piece fills them (vLLM's out-variant attention takes its ``output``
+    this way), so their contents are undefined when the piece returns."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    found = set()
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.fx.Node) or set(v.users) != {out}:
+            continue
+        target = v.target
+        if v.op == "call_method" and target in _EMPTY_METHODS:
+            found.add(i)
+        elif v.op == "call_function":
+            name = target.name() if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", "")
+            if name.split("::")[-1].split(".")[0] in _EMPTY_FUNCTIONS:
+                found.add(i)
+    return frozenset(found)
 
 
 def piece_signature(piece: Piece) -> Sequence[str]:
