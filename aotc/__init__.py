@@ -13,14 +13,14 @@ __all__ = ["compile", "load", "__version__"]
 
 
 def compile(manifest: Any, store: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - public API name
-    """Compile the model a manifest names and store the program; see ``aotc.compiler.compile_manifest``."""
-    from aotc.compiler import compile_manifest
+    """Compile the model a manifest names and store the program; see ``aotc.compile.pipeline.compile_manifest``."""
+    from aotc.compile.pipeline import compile_manifest
 
     return compile_manifest(manifest, store=store, **kwargs)
 
 
 def load(manifest_or_key: Any, model: Any = None, store: Any = None, **kwargs: Any) -> Any:
-    """Warm-start a stored program into a runnable; see ``aotc.loader.load``."""
-    from aotc.loader import load as _load
+    """Warm-start a stored program into a runnable; see ``aotc.runtime.loader.load``."""
+    from aotc.runtime.loader import load as _load
 
     return _load(manifest_or_key, model=model, store=store, **kwargs)

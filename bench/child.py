@@ -74,7 +74,7 @@ def main() -> None:
 
     torch.set_num_threads(int(cfg["threads"]))
     phases = {"import_torch": time.perf_counter() - t0}
-    from aotc.build import build_model, make_inputs
+    from aotc.model.build import build_model, make_inputs
     from aotc.manifest import load_manifest
 
     m = load_manifest(cfg["manifest"])

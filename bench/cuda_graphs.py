@@ -16,7 +16,7 @@ import time
 import torch
 
 import aotc
-from aotc.build import make_inputs
+from aotc.model.build import make_inputs
 from aotc.errors import AotcError
 from aotc.manifest import load_manifest
 
@@ -57,7 +57,7 @@ def main() -> None:
             continue
         model = runner.model
         entry = {"load_s": time.perf_counter() - t, "phases": runner.timings.phases,
-                 "graphs": None if runner.graphs is None else runner.graphs.report.to_json(),
+                 "graphs": None if getattr(runner, "graphs", None) is None else runner.graphs.report.to_json(),
                  "ms": {}}
         for n in sizes:
             entry["ms"][str(n)] = latency_ms(runner, make_inputs(m, n, seed=n), args.iters)

@@ -1,7 +1,7 @@
 """The sqlite index of the store, kept with sqlite-utils (``sqlite-utils tables index.sqlite`` works).
 
 Tables:
-- ``signatures``: key, public_key (hex), signature (hex) — see ``aotc.trust``
+- ``signatures``: key, public_key (hex), signature (hex) — see ``aotc.fleet.trust``
 - ``entries``: key (pk), name, factors (JSON), metadata (JSON), created, last_used, hits, bad
 - ``blobs``: digest (pk), size (uncompressed), stored_size (compressed, on disk), created
 - ``entry_blobs``: (key, role) pk → digest

@@ -367,7 +367,7 @@ class Store:
 
         return delete_entries(self, [key])
 
-    # -- signatures (the cryptography is in aotc.trust; the store keeps the rows) -----------
+    # -- signatures (the cryptography is in aotc.fleet.trust; the store keeps the rows) -----------
     @staticmethod
     def signing_payload(entry: Entry) -> bytes:
         """The bytes a signature covers: the entry's record (key, name, factors, metadata) and

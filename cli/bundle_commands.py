@@ -1,4 +1,4 @@
-"""``aotc export`` / ``aotc import``: one entry as one relocatable file (``aotc.bundle``)."""
+"""``aotc export`` / ``aotc import``: one entry as one relocatable file (``aotc.fleet.bundle``)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from aotc.cli.common import AppContext, guard, pass_app, print_json
 def export_command(app: AppContext, target: str, output: str, as_json: bool) -> None:
     """Write one entry (TARGET: a manifest — its entry for this machine — or a stored key or
     unique prefix) to a relocatable bundle file."""
-    from aotc.bundle import export_entry
+    from aotc.fleet.bundle import export_entry
 
     app.local_only("export")
-    from aotc.explain import entry_key_for
+    from aotc.lookup.explain import entry_key_for
 
     result = export_entry(app.store, entry_key_for(app.store, target), output)
     if as_json:
@@ -43,10 +43,10 @@ def export_command(app: AppContext, target: str, output: str, as_json: bool) -> 
 def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], as_json: bool) -> None:
     """Verify BUNDLE completely (every digest; the signature under a trust policy), then add
     its entry to the store. Importing an entry already there does nothing."""
-    from aotc.bundle import import_bundle
+    from aotc.fleet.bundle import import_bundle
 
     app.local_only("import")
-    from aotc.trust import trust_policy
+    from aotc.fleet.trust import trust_policy
 
     result = import_bundle(app.writable_store, Path(bundle), trusted=trust_policy(trust))
     if as_json:

@@ -25,7 +25,7 @@ class AppContext:
 
     def __init__(self, store_path: str | None, remote_url: str | None = None,
                  endpoint_url: str | None = None) -> None:
-        from aotc.remote import is_remote_url
+        from aotc.fleet.remote import is_remote_url
 
         env_store = os.environ.get("AOTC_STORE") or None
         self.store_is_remote = is_remote_url(store_path or env_store)
@@ -57,7 +57,7 @@ class AppContext:
     def remote(self, url: str | None = None, required: str = "") -> Any:
         """The remote store (``url`` overrides the configured one); with ``required`` (the
         command's name) a missing remote is an error naming the fix, else None."""
-        from aotc.remote import RemoteError, S3Remote
+        from aotc.fleet.remote import RemoteError, S3Remote
 
         if url:
             return S3Remote(url, self.endpoint_url)
@@ -73,7 +73,7 @@ class AppContext:
     def local_only(self, command: str) -> None:
         """Refuse a command that works on a local store when ``--store`` names a remote one."""
         if self.store_is_remote:
-            from aotc.remote import RemoteError
+            from aotc.fleet.remote import RemoteError
 
             raise RemoteError(f"`aotc {command}` works on a local store and --store names the "
                               f"remote {self.remote_url}; pull what you need first (`aotc pull`) "

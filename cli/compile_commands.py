@@ -15,7 +15,7 @@ from aotc.cli.common import AppContext, echo_err, guard, print_json
 def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:
     """``--store`` / ``AOTC_STORE`` win; else the manifest's ``store:``; else the default.
     ``create``: make it when missing (only commands that write do)."""
-    from aotc.stores import open_store
+    from aotc.lookup.stores import open_store
 
     app: AppContext = ctx.obj
     explicit = ctx.find_root().params.get("store_path") or os.environ.get("AOTC_STORE")
@@ -37,7 +37,7 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
                     jobs: int) -> None:
     """Trace MANIFEST's model once, split it at attention, compile each unique piece for every
     size with Inductor, check it against eager, and store the program."""
-    from aotc.compiler import compile_manifest
+    from aotc.compile.pipeline import compile_manifest
     from aotc.manifest import load_manifest
     from aotc.progress import Progress
 
@@ -48,7 +48,7 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
     result = compile_manifest(m, store=store, force=force, progress=Progress(quiet=quiet), jobs=jobs)
     pushed = None
     if remote is not None:
-        from aotc.sync import push_entry
+        from aotc.fleet.sync import push_entry
 
         pushed = push_entry(store, remote, result.key, progress=Progress(quiet=quiet or as_json))
     if as_json:
@@ -83,7 +83,7 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
 def explain_command(ctx: click.Context, targets: tuple[str, ...], as_json: bool) -> None:
     """Say whether MANIFEST has an entry for this machine and, if not, which key factors differ
     from the closest stored entry; with two stored keys (or unique prefixes), diff their factors."""
-    from aotc.explain import explain_keys, explain_manifest
+    from aotc.lookup.explain import explain_keys, explain_manifest
     from aotc.manifest import load_manifest
 
     ctx.obj.local_only("explain")
@@ -126,7 +126,7 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
                 trust: tuple[str, ...], as_json: bool) -> None:
     """Warm-start MANIFEST's compiled program in this process (no trace, no compile) and run it."""
     from aotc.manifest import load_manifest
-    from aotc.run import check_report, run_manifest
+    from aotc.runtime.report import check_report, run_manifest
 
     m = load_manifest(manifest)
     remote = ctx.obj.remote()

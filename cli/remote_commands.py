@@ -1,4 +1,4 @@
-"""``aotc push`` / ``aotc pull``: entries between the local store and a remote one (``aotc.sync``)."""
+"""``aotc push`` / ``aotc pull``: entries between the local store and a remote one (``aotc.fleet.sync``)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
     """Upload TARGET's entry (a manifest — its entry for this machine — or a stored key or
     unique prefix; default: every good entry) to the remote store. Blobs the remote has are
     not uploaded again; the entry's record is written last."""
-    from aotc.explain import entry_key_for
+    from aotc.lookup.explain import entry_key_for
     from aotc.progress import Progress
-    from aotc.sync import push_entry
+    from aotc.fleet.sync import push_entry
 
     from aotc.cache import CacheMiss, CorruptedCacheError
 
@@ -92,15 +92,15 @@ def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str
     or a remote key or unique prefix) into the local store, every blob verified first."""
     from aotc.cache import CacheMiss
     from aotc.progress import Progress
-    from aotc.sync import pull_entry, pull_for_manifest, remote_key_for
-    from aotc.trust import trust_policy
+    from aotc.fleet.sync import pull_entry, pull_for_manifest, remote_key_for
+    from aotc.fleet.trust import trust_policy
 
     remote = app.remote(url, required="pull")
     store, trusted = app.writable_store, trust_policy(trust)
     progress = Progress(quiet=quiet or as_json)
     if Path(target).is_file():
         from aotc.manifest import load_manifest
-        from aotc.toolchain import machine_factors
+        from aotc.lookup.toolchain import machine_factors
 
         m = load_manifest(target)
         machine = machine_factors(m.device, store.base / "toolchain")

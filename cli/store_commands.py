@@ -57,7 +57,7 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
 
 
 def _inspect_remote(app: AppContext, as_json: bool, verbose: bool) -> None:
-    from aotc.remote_scan import scan_remote
+    from aotc.fleet.remote_scan import scan_remote
 
     s = scan_remote(app.remote(required="inspect cache"))
     if as_json:
@@ -97,7 +97,7 @@ def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple
     report = maintenance.verify_at(app.store_path, repair=repair)
     sig_rows, untrusted = None, False
     if (signatures or trust) and (report.index_problem is None or repair):
-        from aotc.trust import signature_report, trust_policy
+        from aotc.fleet.trust import signature_report, trust_policy
 
         policy = trust_policy(trust)
         sig_rows = signature_report(app.store, policy)
@@ -128,7 +128,7 @@ def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple
 
 
 def _verify_remote(app: AppContext, repair: bool, as_json: bool) -> None:
-    from aotc.remote_scan import verify_remote
+    from aotc.fleet.remote_scan import verify_remote
 
     report = verify_remote(app.remote(required="verify"), repair=repair)
     if as_json:

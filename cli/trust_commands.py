@@ -1,4 +1,4 @@
-"""``aotc keygen``, ``aotc sign``: signing keys and signed entries (``aotc.trust``). No torch."""
+"""``aotc keygen``, ``aotc sign``: signing keys and signed entries (``aotc.fleet.trust``). No torch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aotc.cli.common import AppContext, guard, pass_app, print_json
 def keygen_command(app: AppContext, path: str) -> None:
     """Write a new ed25519 signing key to PATH (mode 0600) and print its public key, the value
     to put in AOTC_TRUST_KEYS / --trust on the machines that load."""
-    from aotc.trust import generate_key
+    from aotc.fleet.trust import generate_key
 
     click.echo(generate_key(path))
 
@@ -30,8 +30,8 @@ def keygen_command(app: AppContext, path: str) -> None:
 def sign_command(app: AppContext, keys: tuple[str, ...], key_file: str, sign_all: bool,
                  as_json: bool) -> None:
     """Sign stored entries (KEYS: keys or unique prefixes of >= 8 hex chars, or --all)."""
-    from aotc.explain import resolve_key
-    from aotc.trust import sign_entry
+    from aotc.lookup.explain import resolve_key
+    from aotc.fleet.trust import sign_entry
 
     if not keys and not sign_all:
         raise click.UsageError("name the entries to sign (KEYS) or pass --all")

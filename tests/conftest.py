@@ -83,8 +83,8 @@ def tiny_manifest(tmp: Path, name: str = "toy-tiny", factory: str = "aotc.models
 def compiled(tmp_path_factory):
     """toy-llama with 2 and 4 layers and a tiny HF Llama, compiled once into one store."""
     from aotc.cache import Store
-    from aotc.compiler import compile_manifest
-    from aotc.inductor import counters_snapshot
+    from aotc.compile.pipeline import compile_manifest
+    from aotc._torch.inductor_facts import counters_snapshot
 
     tmp = tmp_path_factory.mktemp("compile")
     store = Store(tmp / "store")

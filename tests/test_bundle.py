@@ -17,12 +17,12 @@ import zstandard
 from click.testing import CliRunner
 
 import aotc
-from aotc.build import build_model, make_inputs
-from aotc.bundle import BundleError, export_entry, import_bundle
+from aotc.model.build import build_model, make_inputs
+from aotc.fleet.bundle import BundleError, export_entry, import_bundle
 from aotc.cache import Store
 from aotc.cli import cli
 from aotc.manifest import load_manifest
-from aotc.trust import TrustError, generate_key, sign_entry
+from aotc.fleet.trust import TrustError, generate_key, sign_entry
 
 pytestmark = pytest.mark.slow
 

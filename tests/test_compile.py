@@ -44,7 +44,7 @@ def test_hf_llama_splits_at_sdpa_and_matches_eager(compiled) -> None:
 
 def test_entry_contents(compiled) -> None:
     _tmp, store, results = compiled
-    from aotc.program import PROGRAM_ROLE, Program
+    from aotc.records.program import PROGRAM_ROLE, Program
 
     res = results[2][1]
     entry = store.get(res.key, record=False)
@@ -60,8 +60,8 @@ def test_entry_contents(compiled) -> None:
 
 
 def test_second_compile_is_a_hit(compiled) -> None:
-    from aotc.compiler import compile_manifest
-    from aotc.inductor import counters_snapshot
+    from aotc.compile.pipeline import compile_manifest
+    from aotc._torch.inductor_facts import counters_snapshot
 
     _tmp, store, results = compiled
     manifest, first, _b, _a = results[2]
@@ -160,9 +160,9 @@ def test_bad_manifest_exit_2_store_untouched(tmp_path) -> None:
 
 def test_parallel_workers_compile_the_same_program(compiled, tmp_path) -> None:
     """-j 2: a worker process re-traces, agrees on the piece ids and compiles its share."""
-    from aotc.compiler import compile_manifest
-    from aotc.inductor import counters_snapshot
-    from aotc.program import PROGRAM_ROLE, Program
+    from aotc.compile.pipeline import compile_manifest
+    from aotc._torch.inductor_facts import counters_snapshot
+    from aotc.records.program import PROGRAM_ROLE, Program
 
     _tmp, store, _results = compiled
     m = toy_manifest(tmp_path, 3, name="toy-3-parallel", compile_sizes=[])

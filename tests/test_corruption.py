@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from aotc.cache import Store
 from aotc.cli import cli
-from aotc.program import PROGRAM_ROLE, Program
+from aotc.records.program import PROGRAM_ROLE, Program
 from tests.conftest import PYTHON, copy_store, python_env
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""CUDA Graph capture and replay (aotc.cudagraph).
+"""CUDA Graph capture and replay (aotc.runtime.cudagraph).
 
 On a GPU: a toy-llama compiled for cuda, warm-started with piecewise and full graphs, matches
 eager at sizes at, between and above the capture sizes. Everywhere: the bookkeeping (size choice,
@@ -15,8 +15,8 @@ import torch
 import yaml
 
 import aotc
-from aotc.build import make_inputs
-from aotc.cudagraph import GraphSet
+from aotc.model.build import make_inputs
+from aotc.runtime.cudagraph import GraphSet, capture
 from aotc.errors import LoadError
 from aotc.manifest import load_manifest
 from tests.conftest import toy_manifest
@@ -54,9 +54,9 @@ class EmulatedGraph:
 def test_graphs_replay_matches_eager_at_every_size(compiled, mode) -> None:
     _tmp, store, results = compiled
     manifest = load_manifest(results[2][0])
-    runner = aotc.load(manifest, store=store)
-    assert runner.graphs is None  # CPU: no capture by default
-    runner.capture_graphs(mode, [8, 2, 4, 300], graph_cls=EmulatedGraph)
+    plain = aotc.load(manifest, store=store)
+    assert not hasattr(plain, "graphs")  # CPU: no capture by default
+    runner = capture(plain, mode, [8, 2, 4, 300], graph_cls=EmulatedGraph, device="cpu")
     report = runner.graphs.report  # type: ignore[union-attr]
     assert report.sizes == [8, 4, 2]  # largest first; 300 > max_tokens is dropped
     compiled_pieces = sum(p.kind == "compiled" for p in runner.program.pieces)
@@ -79,8 +79,7 @@ def test_graphs_replay_matches_eager_at_every_size(compiled, mode) -> None:
 def test_mode_none_and_bad_modes(compiled) -> None:
     _tmp, store, results = compiled
     runner = aotc.load(results[2][0], store=store)
-    runner.capture_graphs("none", [4])
-    assert runner.graphs is None
+    assert capture(runner, "none", [4]) is None and runner.piece_hook is None
     with pytest.raises(LoadError, match="expected piecewise or full"):
         GraphSet(runner, "sometimes", graph_cls=EmulatedGraph)
 

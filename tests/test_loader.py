@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import aotc
-from aotc.build import build_model, make_inputs
+from aotc.model.build import build_model, make_inputs
 from aotc.cache import CacheMiss
 from aotc.errors import InputError, LoadError
 from aotc.manifest import load_manifest
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("loader", ["fast", "inductor"])
 def test_fresh_process_warm_start_runs_nothing(compiled, loader) -> None:
-    """Both load paths: the fast path (aotc.wrapper, the default: Inductor is never imported)
+    """Both load paths: the fast path (aotc._torch.wrapper, the default: Inductor is never imported)
     and CompiledArtifact.load (AOTC_LOADER=inductor, what a piece that does not qualify gets)."""
     _tmp, store, results = compiled
     manifest = results[2][0]

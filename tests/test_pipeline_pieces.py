@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aotc.capture import ArgSlot, capture, graph_args
+from aotc.compile.capture import ArgSlot, capture, graph_args
 from aotc.errors import CaptureError
 from aotc.models import toy_llama
-from aotc.split import split
+from aotc.compile.split import split
 
 TINY = dict(layers=2, hidden=64, heads=4, vocab=128)
 REPO = Path(__file__).resolve().parents[1]
@@ -93,9 +93,9 @@ def test_capture_source_files_and_dynamic(captured):
     assert "aotc/models/toy_llama.py" in files
     assert len(files["aotc/models/toy_llama.py"]) == 64
     assert not any(f.startswith("torch/") for f in files)
-    from aotc.capture import _supports_shape_id
+    from aotc._torch.dynamo import supports_shape_id
 
-    assert captured.dynamic == ("unbacked" if _supports_shape_id() else "backed")
+    assert captured.dynamic == ("unbacked" if supports_shape_id() else "backed")
     assert captured.token_range is not None and captured.token_range[1] is None
 
 
@@ -138,11 +138,11 @@ def four_layers():
 
 @pytest.mark.parametrize("torch_key_api", [True, False], ids=["inductor-key", "fallback-key"])
 def test_split_four_layers_and_dedup_keys(four_layers, torch_key_api, monkeypatch):
-    from aotc import inductor
-    from aotc.inductor import piece_cache_key
+    from aotc._torch import inductor_compile
+    from aotc._torch.inductor_compile import piece_cache_key
 
     if not torch_key_api:  # as on a torch without standalone_compile.autograd_cache_key
-        monkeypatch.setattr(inductor, "_sc_module", lambda: object())
+        monkeypatch.setattr(inductor_compile, "_sc_module", lambda: object())
     r4 = four_layers
     assert len(r4.pieces) == 9
     key = {i: piece_cache_key(p.gm, p.example_inputs, True) for i, p in enumerate(r4.pieces)}
@@ -172,18 +172,18 @@ def test_split_example_inputs_are_symbolic(pieces):
 
 @pytest.fixture(scope="module")
 def compiled(pieces, tmp_path_factory):
-    from aotc import inductor
+    from aotc._torch import inductor_compile
 
     piece = pieces.pieces[2]  # post-attention MLP + next layer's pre-attention: 3 C++ kernels
     out = tmp_path_factory.mktemp("compiled")
     return piece, {
-        size: inductor.compile_piece(piece.gm, piece.example_inputs, size, out / f"s{size}", {})
+        size: inductor_compile.compile_piece(piece.gm, piece.example_inputs, size, out / f"s{size}", {})
         for size in (None, 5)
     }
 
 
 def _real_args(piece, n: int, seed: int = 0) -> list:
-    from aotc.inductor import static_example_inputs
+    from aotc._torch.inductor_compile import static_example_inputs
 
     g = torch.Generator().manual_seed(seed)
     return [
@@ -196,7 +196,7 @@ def _real_args(piece, n: int, seed: int = 0) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("size,n", [(None, 5), (None, 1), (5, 5)])
 def test_compile_save_load_reproduces_piece(compiled, tmp_path, size, n):
-    from aotc import inductor
+    from aotc._torch import inductor_load
 
     piece, arts = compiled
     cp = arts[size]
@@ -204,7 +204,7 @@ def test_compile_save_load_reproduces_piece(compiled, tmp_path, size, n):
     assert any(f.endswith(".so") for f in cp.kernel_files)
     root = tmp_path / "kernels"
     shutil.copytree(cp.kernel_root, root)
-    fn = inductor.load_piece(cp.artifact, root)
+    fn = inductor_load.load_piece(cp.artifact, root)
     args = _real_args(piece, n)
     with torch.no_grad():
         ref = piece.gm(*args)
@@ -216,11 +216,11 @@ def test_compile_save_load_reproduces_piece(compiled, tmp_path, size, n):
 
 @pytest.mark.slow
 def test_counters_and_factors(compiled):
-    from aotc import inductor
+    from aotc._torch import inductor_facts
 
-    snap = inductor.counters_snapshot()
+    snap = inductor_facts.counters_snapshot()
     assert snap["compiles"] >= 2 and snap["inductor_compiles"] >= 2
-    f = inductor.toolchain_factors("cpu")
+    f = inductor_facts.toolchain_factors("cpu")
     assert f["torch"] == torch.__version__ and len(f["torch_key"]) == 64
     assert f["vec_isa"] is None or isinstance(f["vec_isa"], str)
     assert str(REPO) not in json.dumps(f) and os.uname().nodename not in json.dumps(f)
@@ -232,13 +232,15 @@ _FRESH = textwrap.dedent(
     from pathlib import Path
     t0 = time.perf_counter()
     import torch
-    from aotc import inductor
+    from aotc._torch import inductor_compile
+    from aotc._torch import inductor_facts
+    from aotc._torch import inductor_load
     from torch._dynamo.utils import counters
     root = Path(sys.argv[2])
     binaries = ("*.so", "*.cubin", "*.hsaco")
     before = {p for pat in binaries for p in root.rglob(pat)}
     t1 = time.perf_counter()
-    fn = inductor.load_piece(Path(sys.argv[1]), root)
+    fn = inductor_load.load_piece(Path(sys.argv[1]), root)
     t2 = time.perf_counter()
     data = torch.load(sys.argv[3])
     with torch.no_grad():
@@ -250,7 +252,7 @@ _FRESH = textwrap.dedent(
     new = sorted(str(p.relative_to(root)) for pat in binaries for p in root.rglob(pat)
                  if p not in before)
     print(json.dumps({"err": err, "new_binaries": new, "import_s": t1 - t0, "load_s": t2 - t1,
-                      "first_call_s": t3 - t2, "counters": inductor.counters_snapshot(),
+                      "first_call_s": t3 - t2, "counters": inductor_facts.counters_snapshot(),
                       "inductor_counters": dict(counters["inductor"])}))
     """
 )
@@ -298,14 +300,15 @@ def test_fresh_process_load_uses_shipped_kernels(compiled, tmp_path):
 def test_cuda_piece_fresh_load(tmp_path):
     """On CUDA: compile a piece (dynamic and one static size), load both in fresh processes,
     with and without the shipped kernel files; report timings (run with -s to see them)."""
-    from aotc import inductor
+    from aotc._torch import inductor_compile
+    from aotc._torch import inductor_facts
 
     model = toy_llama.build(**TINY).cuda()
     cap = capture(model, [t.cuda() for t in _inputs(7)], [0, 0])
     piece = split(cap.gm, ["aotc::attention"]).pieces[2]
-    print("cuda factors:", json.dumps(inductor.toolchain_factors("cuda")))
+    print("cuda factors:", json.dumps(inductor_facts.toolchain_factors("cuda")))
     for size, n in ((None, 6), (8, 8)):
-        cp = inductor.compile_piece(piece.gm, piece.example_inputs, size, tmp_path / f"c{size}", {})
+        cp = inductor_compile.compile_piece(piece.gm, piece.example_inputs, size, tmp_path / f"c{size}", {})
         print(f"cuda compile size={size}: {cp.seconds:.1f}s, kernel files: {list(cp.kernel_files)}")
         for ship in (True, False):
             rep = _fresh_load(piece, cp, tmp_path / f"l{size}{ship}", n, ship_kernels=ship)
@@ -318,9 +321,10 @@ def test_cuda_piece_fresh_load(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("size,n", [(None, 5), (None, 1), (None, 17), (5, 5)])
 def test_fast_path_is_bitwise_inductors_artifact(compiled, tmp_path, size, n):
-    """The fast path (aotc.wrapper) runs the same kernels as CompiledArtifact.load: identical
+    """The fast path (aotc._torch.wrapper) runs the same kernels as CompiledArtifact.load: identical
     outputs, bit for bit, at the compiled size and at sizes it was not checked at."""
-    from aotc import inductor, wrapper
+    from aotc._torch import inductor_load
+    from aotc._torch import wrapper
 
     piece, arts = compiled
     cp = arts[size]
@@ -330,7 +334,7 @@ def test_fast_path_is_bitwise_inductors_artifact(compiled, tmp_path, size, n):
     root = tmp_path / "kernels"
     shutil.copytree(cp.kernel_root, root)
     fast = wrapper.load(code, root)
-    slow = inductor.load_piece(cp.artifact, root)
+    slow = inductor_load.load_piece(cp.artifact, root)
     args = _real_args(piece, n, seed=3)
     with torch.no_grad():
         got, want = fast(*args), slow(*args)

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from aotc.cache import Store
 from aotc.cli import cli
-from aotc.remote import RemoteError, S3Remote
-from aotc.remote_scan import scan_remote, verify_remote
-from aotc.sync import pull_entry, push_entry
+from aotc.fleet.remote import RemoteError, S3Remote
+from aotc.fleet.remote_scan import scan_remote, verify_remote
+from aotc.fleet.sync import pull_entry, push_entry
 from tests.conftest import PYTHON, copy_store, python_env
 
 pytestmark = pytest.mark.slow
@@ -147,7 +147,7 @@ def test_two_concurrent_pushers_of_one_key(compiled, s3, tmp_path: Path) -> None
     """Two build machines push the same key at once — two different builds of it (the second's
     program blob differs), each signed by the CI key. Exactly one record wins; every blob it
     names is on the server whenever it is visible; the signatures there verify against it."""
-    from aotc.trust import generate_key, sign_entry
+    from aotc.fleet.trust import generate_key, sign_entry
 
     _tmp, store, results = compiled
     key = results[4][1].key
@@ -213,7 +213,7 @@ def test_interrupted_push_never_publishes_a_partial_entry(compiled, s3) -> None:
 
 
 def test_trust_policy_applies_to_pulls(compiled, s3, tmp_path: Path) -> None:
-    from aotc.trust import TrustError, generate_key, sign_entry
+    from aotc.fleet.trust import TrustError, generate_key, sign_entry
 
     _tmp, store, results = compiled
     k2, k4 = results[2][1].key, results[4][1].key
@@ -314,7 +314,7 @@ def test_a_remote_aotc_store_is_not_a_directory(monkeypatch, tmp_path: Path) -> 
     default directory — never as a local path named ``s3:``."""
     from aotc.cache import default_store_path
     from aotc.cli.common import AppContext
-    from aotc.stores import split_store
+    from aotc.lookup.stores import split_store
 
     env = {"AOTC_STORE": "s3://bucket/prefix", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     assert default_store_path(env) == tmp_path / "xdg" / "aotc"

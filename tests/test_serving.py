@@ -17,7 +17,7 @@ import yaml
 from click.testing import CliRunner
 
 import aotc
-from aotc.build import build_model, make_named_inputs
+from aotc.model.build import make_named_inputs
 from aotc.cache import CacheMiss, StoreNotFoundError
 from aotc.cli import cli
 from aotc.errors import InputError, NumericMismatchError
@@ -263,7 +263,7 @@ def test_gc_dry_run_says_what_min_idle_protects(serving) -> None:
 
 
 def test_changed_file_is_seen_even_with_size_and_mtime_kept(tmp_path) -> None:
-    from aotc.filehash import file_sha256
+    from aotc.lookup.filehash import file_sha256
 
     f = tmp_path / "m.py"
     f.write_text("x = 1\n")
@@ -277,7 +277,7 @@ def test_changed_file_is_seen_even_with_size_and_mtime_kept(tmp_path) -> None:
 def test_hf_lookup_imports_no_model_code(compiled) -> None:
     """The lookup hashes the transformers files the trace recorded without importing them."""
     _tmp, store, results = compiled
-    code = ("import sys, aotc.resolve as r, aotc.toolchain as t, aotc.manifest as mf\n"
+    code = ("import sys, aotc.lookup.resolve as r, aotc.lookup.toolchain as t, aotc.manifest as mf\n"
             "from aotc.cache import Store\n"
             f"m = mf.load_manifest({str(results['hf'][0])!r}); s = Store({str(store.root)!r})\n"
             "res = r.resolve(m, s, t.machine_factors(m.device, s.base / 'toolchain'), record=False)\n"

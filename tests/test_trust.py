@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import aotc
 from aotc.cache import Store
 from aotc.cli import cli
-from aotc.trust import TrustError
+from aotc.fleet.trust import TrustError
 from tests.conftest import copy_store
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The warm start's fast path (aotc.wrapper): what qualifies, and that it is exact or refused."""
+"""The warm start's fast path (aotc._torch.wrapper): what qualifies, and that it is exact or refused."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import shutil
 import pytest
 import torch
 
-from aotc import inductor, wrapper
+from aotc._torch import inductor_compile
+
+from aotc._torch import inductor_load
+
+from aotc._torch import wrapper
 from tests.fixtures.small_graphs import mutating_graph, sigmoid_times_three_graph
 
 HEADER = "import torch\nfrom torch._inductor.async_compile import AsyncCompile\n"
@@ -52,10 +56,10 @@ def test_fast_path_is_exact_or_refused_for_an_input_mutation(tmp_path) -> None:
     g = torch.Generator().manual_seed(0)
     x, buf = torch.randn(6, 8, generator=g), torch.zeros(8)
     gm = mutating_graph()
-    cp = inductor.compile_piece(gm, [x, buf.clone()], 6, tmp_path / "p")
+    cp = inductor_compile.compile_piece(gm, [x, buf.clone()], 6, tmp_path / "p")
     root = tmp_path / "kernels"
     shutil.copytree(cp.kernel_root, root)
-    slow = inductor.load_piece(cp.artifact, root)
+    slow = inductor_load.load_piece(cp.artifact, root)
     b_slow = buf.clone()
     with torch.no_grad():
         want = slow(x, b_slow)
@@ -73,7 +77,7 @@ def test_fast_path_is_exact_or_refused_for_an_input_mutation(tmp_path) -> None:
 def test_a_kernel_not_recorded_is_refused_at_load(tmp_path) -> None:
     x = torch.randn(4, 8)
     gm = sigmoid_times_three_graph()
-    cp = inductor.compile_piece(gm, [x], 4, tmp_path / "p")
+    cp = inductor_compile.compile_piece(gm, [x], 4, tmp_path / "p")
     assert cp.wrapper is not None, cp.wrapper_note
     code = wrapper.WrapperCode.from_json(cp.wrapper.read_bytes())
     forged = wrapper.WrapperCode(code.source.replace("* 3", "* 4").replace("3.0", "4.0"),

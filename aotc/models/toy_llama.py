@@ -1,7 +1,7 @@
 """A tiny Llama-style decoder used by tests and the demo.
 
 The attention is a custom op, ``aotc::attention``, so the captured FX graph has one opaque call
-per layer at which :mod:`aotc.split` cuts the graph. Inputs are a flattened token batch
+per layer at which :mod:`aotc.compile.split` cuts the graph. Inputs are a flattened token batch
 (``input_ids[T]``, ``positions[T]``); attention is causal over those ``T`` tokens.
 """
 

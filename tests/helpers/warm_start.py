@@ -29,9 +29,9 @@ def main() -> None:
     import torch
 
     import aotc
-    from aotc.build import make_named_inputs
-    from aotc.checking import flat_tensors
-    from aotc.inductor import counters_snapshot
+    from aotc.model.build import make_named_inputs
+    from aotc.runtime.checking import flat_tensors
+    from aotc._torch.inductor_facts import counters_snapshot
     from aotc.manifest import load_manifest
 
     t_import = time.perf_counter() - t0

@@ -1,0 +1,102 @@
+"""What aotc needs of Dynamo's private side (``torch._dynamo``, ``torch._guards``, SymNode
+internals): marking a dim dynamic, one fullgraph trace handing the graph to a backend, the code
+objects a trace inlined, Dynamo's exception type, and what a size symbol is and which range the
+shape env proved for it. Tested on torch 2.11–2.13; ``mark_unbacked(shape_id=)`` is
+feature-checked (absent before 2.12)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["dynamo_error", "mark", "supports_shape_id", "symbol_key", "symbol_range",
+           "trace_fullgraph", "traced_code"]
+
+
+def _dynamo() -> Any:
+    import torch._dynamo
+
+    return torch._dynamo
+
+
+def dynamo_error() -> type[BaseException]:
+    """Dynamo's own exception base (graph breaks, unsupported ops): ``except dynamo_error()``."""
+    return _dynamo().exc.TorchDynamoException  # type: ignore[no-any-return]
+
+
+def supports_shape_id() -> bool:
+    """Whether ``mark_unbacked`` takes ``shape_id`` (every marked dim one shared symbol)."""
+    try:
+        from torch._dynamo.decorators import mark_unbacked
+    except ImportError:
+        return False
+    return "shape_id" in inspect.signature(mark_unbacked).parameters
+
+
+def mark(t: torch.Tensor, dim: int, unbacked: bool, shape_id: str) -> None:
+    """Mark ``t``'s ``dim`` dynamic: an unbacked symbol shared by ``shape_id``, or a backed one."""
+    from torch._dynamo import decorators
+
+    if unbacked:
+        decorators.mark_unbacked(t, dim, shape_id=shape_id)
+    else:
+        decorators.mark_dynamic(t, dim)
+
+
+def traced_code() -> list[Any]:
+    """The code objects the trace in progress inlined (call from inside a backend)."""
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    if ctx is None:
+        return []
+    if hasattr(ctx, "get_traced_code"):
+        return list(ctx.get_traced_code() or [])
+    return list(getattr(ctx, "traced_code", None) or [])
+
+
+def trace_fullgraph(model: torch.nn.Module, inputs: Sequence[Any],
+                    backend: Callable[[torch.fx.GraphModule, list[Any]], Any]) -> None:
+    """``torch.compile(model, backend, fullgraph=True)(*inputs)`` once, under ``no_grad``, between
+    two ``torch._dynamo.reset()``, parameters and buffers lifted to graph inputs."""
+    dynamo = _dynamo()
+    dynamo.reset()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            # Deprecated (always True) on torch >= 2.12; patched for older torch.
+            warnings.filterwarnings("ignore", message=".*inline_inbuilt_nn_modules.*")
+            stack = contextlib.ExitStack()
+            if hasattr(dynamo.config, "inline_inbuilt_nn_modules"):
+                stack.enter_context(dynamo.config.patch(inline_inbuilt_nn_modules=True))
+            with stack:
+                compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+                compiled(*inputs)
+    finally:
+        dynamo.reset()
+
+
+def symbol_key(size: torch.SymInt) -> Any:
+    """A hashable identity of a size symbol's expression (equal symbols, equal keys)."""
+    return size.node.expr
+
+
+def _as_int(x: Any) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+def symbol_range(size: torch.SymInt) -> tuple[int, int | None] | None:
+    """``(lower, upper or None)`` the shape env proved for a plain size symbol."""
+    expr, env = size.node.expr, size.node.shape_env
+    vr = env.var_to_range.get(expr) if hasattr(expr, "name") else None
+    if vr is None:
+        return None
+    return _as_int(vr.lower) or 0, _as_int(vr.upper)

@@ -1,0 +1,301 @@
+"""Compiling and saving pieces with Inductor (``standalone_compile``), their cache keys, and the
+CPU vector-ISA probe libraries: the compile side of the fence around ``torch._inductor``.
+Torch 2.11–2.13, API differences feature-checked; run and tested: 2.13.0 CPU, 2.11 CUDA (H200).
+
+Shipping kernels: a ``standalone_compile`` artifact holds the wrapper and kernel *sources*
+(Triton binaries too) but not the compiled C++ libraries, so a fresh process would run the C++
+compiler again. Each compile therefore runs in :func:`~aotc._torch.inductor_load.inductor_cache_dir`
+pointed at a fresh dir; the binaries found there are its *kernel files* (relative paths),
+restored under one root at load so Inductor finds each under the key it computes (the ISA probe
+libraries too, see ``_isa_probe_files``). :func:`compile_piece` also records the fast-path
+record of :mod:`aotc._torch.wrapper` for every piece that qualifies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from aotc.counters import COUNTERS as _ours
+from aotc.errors import CompileError
+from aotc._torch import wrapper
+from aotc._torch.inductor_facts import _config_patch
+from aotc._torch.inductor_load import inductor_cache_dir, kernel_files as _kernel_files
+from aotc._torch.ops import graph_returns_tuple, undefined_outputs
+
+__all__ = [
+    "CompiledPiece", "compile_piece", "keep_isa_probes", "kept_isa_probes", "piece_cache_key",
+    "static_example_inputs",
+]
+
+_CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
+_probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see _isa_probe_files)
+_PROBE_SCRIPT = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
+
+
+def _isa_probe_files() -> dict[str, Path]:
+    """The vector-ISA probe libraries Inductor builds in its cache dir (relative path -> file).
+
+    Inductor checks each CPU ISA once per process by compiling a tiny program into the cache dir
+    (``cpu_vec_isa.VecISA.check_build``) and skips the compiler when that library already exists.
+    Its per-process memo means a compile only writes them the first time, so they are produced
+    here once per process in a cold child process and seeded into every compile's cache dir
+    (hence shipped with every piece). Empty if the probe cannot run.
+    """
+    kept: Path | None = _probe.get("keep")
+    files = _probe.get("files")
+    if files is not None and (_probe.get("files_for") != kept or not all(p.is_file() for p in files.values())):
+        files = _probe["files"] = None  # another store now, or its files went away: again
+    if files is None:
+        _probe["files_for"] = kept
+        if kept is not None and kept.is_dir():  # built by an earlier process on this toolchain
+            _probe["files"] = {rel: kept / rel for rel in _kernel_files(kept)}
+            if _probe["files"]:
+                return _probe["files"]
+        tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
+        _probe["dir"] = tmp  # lives as long as the process
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp.name)
+        env.pop("TRITON_CACHE_DIR", None)
+        try:
+            subprocess.run([sys.executable, "-c", _PROBE_SCRIPT], env=env, check=True,
+                           capture_output=True, timeout=600)
+            root = Path(tmp.name)
+            _probe["files"] = {rel: root / rel for rel in _kernel_files(root)}
+        except (OSError, subprocess.SubprocessError):
+            _probe["files"] = {}
+        if kept is not None and _probe["files"]:
+            _keep_probes(Path(tmp.name), kept)
+    return _probe["files"]
+
+
+def keep_isa_probes(directory: Path) -> None:
+    """Keep the ISA probe libraries in ``directory`` (per toolchain fingerprint, so any change of
+    compiler, torch or CPU gives another) and reuse them in later processes: the probe compiles
+    several programs (5-8 s on 2 cores) on every compile otherwise."""
+    _probe["keep"] = Path(directory)
+
+
+def kept_isa_probes() -> Path | None:
+    """Where ``keep_isa_probes`` keeps them in this process (None: not kept)."""
+    return _probe.get("keep")
+
+
+def _keep_probes(src: Path, dest: Path) -> None:
+    partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        for rel in _kernel_files(src):
+            (partial / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / rel, partial / rel)
+        os.rename(partial, dest)  # whole or not at all; a concurrent process may win: fine
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPiece:
+    """One compiled artifact of one piece, for one size (``None`` = dynamic).
+
+    ``artifact``: the ``standalone_compile`` binary artifact file; ``kernel_root``: the
+    directory the kernel files are relative to; ``kernel_files``: sorted relative paths (POSIX)
+    to store with the artifact and restore under one root before :func:`load_piece`;
+    ``key``: :func:`piece_cache_key` of this compile; ``seconds``: wall time of the compile.
+    """
+
+    artifact: Path
+    kernel_root: Path
+    kernel_files: tuple[str, ...]
+    size: int | None
+    key: str
+    seconds: float
+    wrapper: Path | None = None  # the fast-path record (aotc._torch.wrapper), when the piece qualifies
+    wrapper_note: str = ""  # why it does not
+    reused: bool = False  # found finished in the compile's work directory (a resumed compile)
+
+
+def _sc_module() -> Any:
+    # ``torch._inductor.standalone_compile`` the attribute is the function; get the module.
+    return importlib.import_module("torch._inductor.standalone_compile")
+
+
+def _concrete(x: Any, size: int) -> Any:
+    """An int for a symbolic size (every free symbol is the token size)."""
+    if isinstance(x, torch.SymInt):
+        expr = x.node.expr
+        return int(expr.subs({s: size for s in expr.free_symbols}))
+    return int(x)
+
+
+def static_example_inputs(example_inputs: Sequence[Any], size: int) -> list[Any]:
+    """Real (uninitialized-but-valid) inputs with every symbolic size set to ``size``.
+
+    Integer tensors are zero-filled (valid indices); float tensors are left uninitialized
+    (``torch.empty``: no cost for large weights). ``SymInt`` inputs become ``size``-derived ints.
+    """
+    out: list[Any] = []
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor):
+            shape = [_concrete(s, size) for s in v.shape]
+            stride = [_concrete(s, size) for s in v.stride()]
+            t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
+            if not (v.dtype.is_floating_point or v.dtype.is_complex):
+                t.zero_()
+            out.append(t)
+        elif isinstance(v, torch.SymInt):
+            out.append(_concrete(v, size))
+        else:
+            out.append(v)
+    return out
+
+
+def _is_symbolic(v: Any) -> bool:
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+
+
+def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: str) -> str:
+    """sha256 of the graph's structure (node names dropped) + input metadata + ``torch_key``."""
+    import sympy
+
+    from torch._inductor.codecache import torch_key
+
+    idx: dict[torch.fx.Node, int] = {}
+    syms: dict[Any, Any] = {}
+    lines = [tag, torch_key().hex()]
+
+    def canon(x: Any) -> str:  # size symbols renamed in order of appearance
+        if not isinstance(x, torch.SymInt):
+            return str(x)
+        expr = x.node.expr
+        for f in sorted(expr.free_symbols, key=str):
+            syms.setdefault(f, sympy.Symbol(f"S{len(syms)}", integer=True))
+        return str(expr.xreplace(syms))
+
+    for v in example_inputs:
+        if isinstance(v, torch.Tensor):
+            lines.append(f"T {v.dtype} {v.device.type} {[canon(d) for d in v.shape]} "
+                         f"{[canon(d) for d in v.stride()]}")
+        else:
+            lines.append(f"V {type(v).__name__} {canon(v)}")
+    for i, n in enumerate(gm.graph.nodes):
+        idx[n] = i
+        if n.op == "call_function":
+            mod = getattr(n.target, "__module__", "")
+            tgt = f"{mod}.{getattr(n.target, '__qualname__', n.target)}"
+        else:
+            tgt = "" if n.op in ("placeholder", "output") else str(n.target)
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{idx[a]}")
+        lines.append(f"{n.op} {tgt} {args!r}")
+    return "aotc-" + hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def piece_cache_key(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    dynamic: bool,
+    *,
+    size: int | None = None,
+    options: dict[str, Any] | None = None,
+) -> str:
+    """Stable key of "this piece compiled this way", used to dedup identical pieces.
+
+    ``dynamic=True``: keyed on the symbolic example inputs (``dynamic_shapes="from_graph"``).
+    ``dynamic=False``: keyed on concrete inputs; pass them, or fake inputs plus ``size``. Uses
+    Inductor's own AOTAutograd cache key (``standalone_compile.autograd_cache_key``, torch >=
+    2.12), which is blind to placeholder names, so the same layer at different depths gives the
+    same key. Falls back to a sha256 over the canonicalized graph + input metadata.
+    """
+    options = dict(options or {})
+    inputs = list(example_inputs)
+    if not dynamic and size is not None:
+        inputs = static_example_inputs(inputs, size)
+    elif not dynamic and any(_is_symbolic(v) for v in inputs):
+        raise ValueError("piece_cache_key(dynamic=False) needs concrete inputs or a size")
+    tag = "dynamic" if dynamic else f"static:{[tuple(getattr(v, 'shape', ())) for v in inputs]}"
+    fn = getattr(_sc_module(), "autograd_cache_key", None)
+    if fn is not None and graph_returns_tuple(gm):
+        from torch._inductor.codecache import BypassFxGraphCache as Bypass
+        mode = "from_graph" if dynamic else "from_example_inputs"
+        try:
+            with torch.no_grad(), _config_patch(options):
+                key = fn(gm, inputs, mode)
+            key = key[0] if isinstance(key, tuple) else key
+            return f"{key}:{_options_digest(options)}" if options else str(key)
+        except (NotImplementedError, RuntimeError, AssertionError, Bypass):
+            pass  # e.g. a graph Inductor's key cannot pickle: the structural key below
+    return _fallback_key(gm, inputs, tag + json.dumps(options, sort_keys=True, default=str))
+
+
+def _options_digest(options: dict[str, Any]) -> str:
+    blob = json.dumps(options, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def compile_piece(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    size: int | None,
+    out_dir: Path,
+    options: dict[str, Any] | None = None,
+    tmp_root: Path | None = None,
+) -> CompiledPiece:
+    """Compile one piece with Inductor and save it under ``out_dir``.
+
+    ``size=None``: dynamic (``dynamic_shapes="from_graph"``, symbolic fake inputs); an int:
+    static for that token count (real inputs of that size, ``"from_example_inputs"``).
+    ``options``: Inductor config patches. Writes ``out_dir/artifact.bin`` and the kernel files
+    under ``out_dir/kernels/``; raises :class:`CompileError` on any failure. Inductor's scratch
+    cache dir is made under ``tmp_root`` (default: the system's temp dir).
+    """
+    import time
+
+    options = dict(options or {})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kernel_root = out_dir / "kernels"
+    artifact = out_dir / "artifact.bin"
+    dynamic = size is None
+    inputs = list(example_inputs) if dynamic else static_example_inputs(example_inputs, size)
+    mode = "from_graph" if dynamic else "from_example_inputs"
+    key = piece_cache_key(gm, inputs, dynamic, options=options)
+    t0 = time.perf_counter()
+    probes = _isa_probe_files()
+    with tempfile.TemporaryDirectory(prefix="aotc-inductor-", dir=tmp_root) as tmp:
+        for rel, src in probes.items():  # seed: the ISA check at compile and load finds them
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, Path(tmp) / rel)
+        try:
+            with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options):
+                art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
+                art.save(path=str(artifact), format="binary")
+        except Exception as e:  # noqa: BLE001 - Inductor raises many kinds
+            what = "dynamic" if dynamic else f"size {size}"
+            raise CompileError(f"Inductor failed to compile piece ({what}) into {out_dir}: "
+                               f"{type(e).__name__}: {e}") from e
+        files = _kernel_files(Path(tmp))
+        vals = inputs if not dynamic else static_example_inputs(inputs, _CHECK_TOKENS)
+        note = wrapper.record_fast_path(art, vals, Path(tmp), files, out_dir / "wrapper.json",
+                                        undefined_outputs(gm))
+        for rel in files:
+            dst = kernel_root / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(tmp) / rel, dst)
+    _ours["compiles"] += 1
+    return CompiledPiece(artifact, kernel_root, tuple(files), size, key,
+                         time.perf_counter() - t0, None if note else out_dir / "wrapper.json", note)
+
+

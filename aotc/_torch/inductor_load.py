@@ -1,0 +1,144 @@
+"""Loading saved Inductor artifacts (``CompiledArtifact.load``) over the kernel libraries shipped
+with them, in a scoped Inductor cache dir: the load side of the fence around ``torch._inductor``.
+The warm start uses it only for pieces that do not qualify for :mod:`aotc._torch.wrapper`.
+Loading through here still runs ``g++ --version`` (part of each kernel's key) and imports
+Inductor (~3 s). Torch 2.11–2.13 (run: 2.13.0 CPU, 2.11 CUDA), API differences feature-checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aotc.counters import COUNTERS as _ours
+from aotc.errors import LoadError
+from aotc._torch.inductor_facts import _config_patch
+from aotc._torch.scoped_env import scoped_env
+
+__all__ = ["inductor_cache_dir", "kernel_files", "load_piece", "load_pieces"]
+
+# Files in a compile-time cache dir worth shipping: binaries Inductor checks for by path.
+_KERNEL_SUFFIXES = (".so", ".o", ".cubin", ".hsaco", ".ptx", ".json", ".llir", ".ttir", ".ttgir")
+_SKIP_DIRS = {"locks", "fxgraph", "aotautograd", "pgo", "precompiles"}
+
+
+def _clear_code_caches() -> None:
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # pragma: no cover - older torch
+        return
+    clear_caches()
+
+
+@contextlib.contextmanager
+def inductor_cache_dir(path: Path | str) -> Iterator[Path]:
+    """Point Inductor's (and Triton's) on-disk caches at ``path`` for the block; restore after.
+
+    Sets ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` (= ``path/triton``) and clears
+    Inductor's in-memory code caches on entry and exit, so what is compiled or loaded in the
+    block is read from / written to ``path`` only. The one place aotc changes torch's env.
+    """
+    path = Path(path).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    with scoped_env(TORCHINDUCTOR_CACHE_DIR=str(path), TRITON_CACHE_DIR=str(path / "triton")):
+        _clear_code_caches()
+        try:
+            yield path
+        finally:
+            _clear_code_caches()
+
+
+def kernel_files(root: Path) -> list[str]:
+    """The shippable kernel files under a compile's Inductor cache dir (sorted relative paths)."""
+    out = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if p.is_file() and rel.parts[0] not in _SKIP_DIRS and p.name.endswith(_KERNEL_SUFFIXES):
+            out.append(rel.as_posix())
+    return sorted(out)
+
+
+def load_piece(
+    artifact_file: Path, kernel_root: Path, *, options: dict[str, Any] | None = None
+) -> Callable[..., list[torch.Tensor]]:
+    """Load a saved piece; the returned callable always returns a list of outputs.
+
+    ``options``: the same Inductor config patches the piece was compiled with (some, like
+    ``cpp.simdlen``, enter each kernel's build key; a mismatch makes Inductor rebuild it).
+
+    ``kernel_root`` must hold the piece's kernel files at their recorded relative paths; it is
+    used as the Inductor cache dir during the load (Inductor writes its regenerated wrapper
+    sources there too, so it must be writable and should outlive the returned callable).
+    """
+    return load_pieces([artifact_file], kernel_root, options=options)[0]
+
+
+@contextlib.contextmanager
+def _in_process_isa_probes() -> Iterator[None]:
+    """While loading: answer Inductor's ISA-extension probes (AVX512-BF16, VNNI, AMX …) by
+    dlopen-ing the shipped probe library in this process instead of in a child Python per probe
+    (6 children, ~1.2 s here). The libraries were built for this key's march/ISA and are only
+    loaded, never called. Torch 2.11–2.13: ``VecISA._probe_load(self, path) -> bool``."""
+    try:
+        from torch._inductor.cpu_vec_isa import VecISA
+    except ImportError:  # pragma: no cover - other torch layouts: keep torch's own probe
+        yield
+        return
+    original = getattr(VecISA, "_probe_load", None)
+    if original is None:
+        yield
+        return
+
+    def probe(self: Any, output_path: str) -> bool:
+        import ctypes
+
+        try:
+            ctypes.CDLL(output_path)
+        except OSError:
+            return False
+        return True
+
+    VecISA._probe_load = probe  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        VecISA._probe_load = original  # type: ignore[method-assign]
+
+
+def load_pieces(
+    artifact_files: Sequence[Path], kernel_root: Path, *, options: dict[str, Any] | None = None
+) -> list[Callable[..., list[torch.Tensor]]]:
+    """Load several saved pieces sharing one kernel root, in one Inductor cache-dir scope (the
+    in-memory code caches are cleared once, not per artifact); see :func:`load_piece`."""
+    kernel_root = Path(kernel_root)
+    out = []
+    # The vector ISA was settled at compile time and is in the key (toolchain.vec_isa, march):
+    # trust the CPU flags at load instead of Inductor re-probing each ISA by compiling and
+    # dlopen-ing a test library in a child Python (10 subprocesses, ~2 s here).
+    load_config = {"cpp.vec_isa_ok": True, **dict(options or {})}
+    with inductor_cache_dir(kernel_root), _config_patch(load_config), _in_process_isa_probes():
+        for artifact_file in map(Path, artifact_files):
+            if not artifact_file.is_file():
+                raise LoadError(f"{artifact_file}: compiled artifact missing")
+            try:
+                art = torch._inductor.CompiledArtifact.load(path=str(artifact_file), format="binary")
+            except Exception as e:  # noqa: BLE001
+                raise LoadError(f"{artifact_file}: cannot load compiled artifact ({type(e).__name__}: "
+                                f"{e}); it was built by another torch build (torch_key) or is "
+                                "damaged — recompile it") from e
+            _ours["loads"] += 1
+            out.append(_normalized(art))
+    return out
+
+
+def _normalized(art: Any) -> Callable[..., list[torch.Tensor]]:
+    def run(*args: Any) -> list[torch.Tensor]:
+        res = art(*args)
+        return list(res) if isinstance(res, (list, tuple)) else [res]
+
+    run.artifact = art  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,54 @@
+"""Names of torch's operator objects (``torch._ops``: ``OpOverload``, ``OpOverloadPacket``,
+``HigherOrderOperator``) and small facts about FX graphs that need them. Tested on torch
+2.11–2.13."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["graph_returns_tuple", "op_name", "undefined_outputs"]
+
+
+def op_name(target: Any) -> str | None:
+    """``"ns::op.overload"`` for an ``OpOverload``, ``"ns::op"`` for a packet,
+    ``"higher_order::name"`` for a higher-order operator; None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.name())
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return str(target._qualified_op_name)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order::{target.name()}"
+    return None
+
+
+def graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph's output node returns a tuple/list (Inductor's requirement)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return isinstance(out.args[0], (tuple, list))
+
+
+_EMPTY_FUNCTIONS = {"empty", "empty_like", "empty_strided"}
+_EMPTY_METHODS = {"new_empty", "new_empty_strided"}
+
+
+def undefined_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Positions of the piece's outputs that the piece allocates (``torch.empty_like`` …) and
+    never writes: a later piece fills them (vLLM's out-variant attention takes its ``output``
+    this way), so their contents are undefined when the piece returns."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    found = set()
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.fx.Node) or set(v.users) != {out}:
+            continue
+        target = v.target
+        if v.op == "call_method" and target in _EMPTY_METHODS:
+            found.add(i)
+        elif v.op == "call_function":
+            name = op_name(target) or getattr(target, "__name__", "")
+            if name.split("::")[-1].split(".")[0] in _EMPTY_FUNCTIONS:
+                found.add(i)
+    return frozenset(found)

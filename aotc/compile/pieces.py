@@ -1,0 +1,81 @@
+"""Model → one Dynamo capture → pieces, each compiled piece named by a unique id derived from
+Inductor's own cache key (identical pieces share it). Shared by the compiler and its workers, which
+must agree on the ids."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aotc._torch import inductor_compile
+from aotc.model.build import build_model, by_name, dynamic_dims, make_inputs
+from aotc.compile.capture import Captured, capture
+from aotc.errors import SplitError
+from aotc.manifest import Manifest
+from aotc.progress import Progress
+from aotc.compile.split import Piece, SplitResult, node_op_names, split
+
+
+@dataclass(frozen=True)
+class Traced:
+    """The model, its capture, the split, and the unique-piece table."""
+
+    model: Any
+    captured: Captured
+    parts: SplitResult
+    uid_of: dict[str, str]  # piece name -> unique id (compiled pieces only)
+    first_of: dict[str, Piece]  # unique id -> first piece with it, in order
+    warnings: list[str]
+
+
+def _check_splitting_ops(manifest: Manifest, gm: Any, pieces: int) -> None:
+    if manifest.splitting_ops and pieces == 1:
+        seen = sorted({n for node in gm.graph.nodes for n in node_op_names(node) if "::" in n})
+        where = f"{manifest.path or '<manifest>'}: splitting_ops"
+        raise SplitError(
+            f"{where}: none of {list(manifest.splitting_ops)} is called by the traced model "
+            f"(ops seen: {', '.join(seen[:10])}{'…' if len(seen) > 10 else ''}); fix the op names"
+        )
+
+
+def piece_uid(piece: Piece, options: dict[str, Any]) -> str:
+    """16 hex chars of the sha256 of Inductor's dynamic-shape cache key of ``piece``."""
+    full = inductor_compile.piece_cache_key(piece.gm, list(piece.example_inputs), True, options=options)
+    return hashlib.sha256(full.encode()).hexdigest()[:16]
+
+
+def trace_and_split(manifest: Manifest, progress: Progress | None = None,
+                    seconds: dict[str, float] | None = None) -> Traced:
+    """Build, capture once (token dim dynamic), split at the splitting ops, dedup the pieces."""
+    progress = progress or Progress(quiet=True)
+    seconds = seconds if seconds is not None else {}
+    what = manifest.model.factory or (manifest.model.hf.architecture if manifest.model.hf else "?")
+    progress.phase("build", what)
+    t = time.perf_counter()
+    model = by_name(build_model(manifest), manifest)  # traced as the manifest calls it: by name
+    seconds["build"] = time.perf_counter() - t
+
+    progress.phase("capture", "Dynamo, token dim dynamic")
+    t = time.perf_counter()
+    trace_n = min(manifest.max_tokens, 7)
+    captured = capture(model, make_inputs(manifest, trace_n), dynamic_dims(manifest),
+                       params_of=model.model)
+    seconds["capture"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    parts = split(captured.gm, list(manifest.splitting_ops))
+    _check_splitting_ops(manifest, captured.gm, len(parts.pieces))
+    uid_of: dict[str, str] = {}
+    first_of: dict[str, Piece] = {}
+    for p in parts.pieces:
+        if not p.is_splitting:
+            uid = piece_uid(p, dict(manifest.inductor))
+            uid_of[p.name] = uid
+            first_of.setdefault(uid, p)
+    seconds["split"] = time.perf_counter() - t
+    progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
+    for w in parts.warnings:
+        progress.note(w)
+    return Traced(model, captured, parts, uid_of, first_of, list(parts.warnings))

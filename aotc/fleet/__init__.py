@@ -1,0 +1,2 @@
+"""Carrying one build to many machines: bundles, signatures and trust, the S3 remote store,
+push and pull."""

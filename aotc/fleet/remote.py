@@ -1,0 +1,270 @@
+"""A remote store on S3 or any S3-compatible server (MinIO, Ceph, moto): ``s3://bucket/prefix``.
+
+Layout under ``<prefix>/store-v1/``::
+
+    blobs/<sha256>                 zstd bytes exactly as a local store keeps them
+    entries/<key>.json             the entry record (``aotc.records.entry_record``), written after its blobs
+    probes/<probe>/<key>           empty marker, written after the record: a lookup by manifest
+                                   lists one prefix instead of every record
+    signatures/<key>/<public key>  a signature (hex), one object per signer
+
+Objects are only ever created whole (an S3 PUT is atomic), blobs are named by content, and a
+record is written only after every blob it names was seen on the server: a reader never finds
+an entry whose blobs are missing. Endpoint, region and credentials come from boto3's own
+configuration (environment, ``~/.aws``), with ``endpoint_url`` / ``AOTC_S3_ENDPOINT`` for an
+S3-compatible server. boto3 is imported only when a remote is used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Iterator
+
+from aotc.cache.errors import AotcError
+
+ENDPOINT_ENV = "AOTC_S3_ENDPOINT"
+REMOTE_ENV = "AOTC_REMOTE"
+LAYOUT = "store-v1"
+MAX_RECORD = 16 << 20
+
+
+class RemoteError(AotcError):
+    """A remote store cannot be reached or used, or holds something damaged (named, with the fix)."""
+
+    exit_code = 1
+
+
+class MissingObject(RemoteError):
+    """A remote object that should be there is not."""
+
+
+class OversizedObject(RemoteError):
+    """A remote object is larger than anything aotc writes under that name."""
+
+
+def is_remote_url(text: object) -> bool:
+    """Whether ``text`` names a remote store (``s3://…``)."""
+    return isinstance(text, str) and text.startswith("s3://")
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    """One object as a listing describes it (``name`` is relative to the layout root)."""
+
+    name: str
+    size: int
+    modified: float
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+        import botocore
+    except ImportError:  # pragma: no cover - an optional dependency; the message names the fix
+        raise RemoteError("an s3:// store needs boto3: pip install 'aotc[s3]' (or boto3)") from None
+    return boto3, botocore
+
+
+class S3Remote:
+    """The remote store at ``url`` (``s3://bucket[/prefix]``)."""
+
+    def __init__(self, url: str, endpoint_url: str | None = None) -> None:
+        if not is_remote_url(url):
+            raise RemoteError(f"{url!r} is not a remote store URL: expected s3://bucket[/prefix]")
+        bucket, _, prefix = url[len("s3://"):].partition("/")
+        if not bucket or any(c in bucket for c in " \\?#"):
+            raise RemoteError(f"{url!r}: no valid bucket name; expected s3://bucket[/prefix]")
+        prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}" + (f"/{prefix}" if prefix else "")
+        self.bucket = bucket
+        self.root = (f"{prefix}/" if prefix else "") + f"{LAYOUT}/"
+        self.endpoint_url = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client, made on first use (boto3 is imported only then)."""
+        if self._client is None:
+            boto3, botocore = _boto3()
+            config = botocore.config.Config(retries={"max_attempts": 4, "mode": "standard"},
+                                            connect_timeout=10, read_timeout=120)
+            try:
+                self._client = boto3.session.Session().client(
+                    "s3", endpoint_url=self.endpoint_url, config=config)
+            except (botocore.exceptions.BotoCoreError, ValueError) as e:
+                raise RemoteError(f"{self.url}: cannot set up the S3 client ({e}); check "
+                                  f"--endpoint-url / {ENDPOINT_ENV} and the AWS configuration") from None
+        return self._client
+
+    @property
+    def _boto3(self) -> Any:
+        return _boto3()[0]
+
+    @property
+    def _botocore(self) -> Any:
+        return _boto3()[1]
+
+    @property
+    def errors(self) -> tuple[type[Exception], ...]:
+        """The exceptions boto3 raises for a failed request or a broken transfer."""
+        ex = self._botocore.exceptions
+        return (ex.BotoCoreError, ex.ClientError)
+
+    def __repr__(self) -> str:
+        return f"S3Remote({self.url!r})"
+
+    # -- names ------------------------------------------------------------------------------
+    @staticmethod
+    def blob_name(digest: str) -> str:
+        return f"blobs/{digest}"
+
+    @staticmethod
+    def entry_name(key: str) -> str:
+        return f"entries/{key}.json"
+
+    @staticmethod
+    def probe_name(probe: str, key: str) -> str:
+        return f"probes/{probe}/{key}"
+
+    @staticmethod
+    def signature_name(key: str, public_key: str) -> str:
+        return f"signatures/{key}/{public_key}"
+
+    # -- operations -------------------------------------------------------------------------
+    def _fail(self, exc: Exception, what: str) -> RemoteError:
+        """One-line error for a boto/botocore failure, naming the fix."""
+        ex = self._botocore.exceptions
+        if isinstance(exc, ex.NoCredentialsError):
+            why = ("no credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or a profile "
+                   "(boto3's usual configuration)")
+        elif isinstance(exc, (ex.EndpointConnectionError, ex.ConnectTimeoutError)):
+            why = (f"cannot reach {self.endpoint_url or 'the S3 endpoint'}; check --endpoint-url "
+                   f"/ {ENDPOINT_ENV}")
+        elif isinstance(exc, ex.ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", "?"))
+            why = {"NoSuchBucket": f"bucket {self.bucket!r} does not exist",
+                   "AccessDenied": "access denied (check the credentials' permissions)",
+                   "403": "access denied (check the credentials' permissions)",
+                   "InvalidAccessKeyId": "the access key is not known to the server",
+                   "SignatureDoesNotMatch": "the secret key does not match"}.get(code, f"{code}: {exc}")
+        else:
+            why = str(exc)
+        return RemoteError(f"{self.url}: {what} failed: {why}")
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except (self._botocore.exceptions.BotoCoreError, self._botocore.exceptions.ClientError) as e:
+            raise self._fail(e, what) from None
+
+    @staticmethod
+    def _code(exc: Exception) -> str:
+        return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+    def _maybe(self, what: str, fn: Any, name: str) -> Any:
+        """``fn(Bucket, Key)`` for object ``name``; None when the object does not exist."""
+        try:
+            return fn(Bucket=self.bucket, Key=self.root + name)
+        except self._botocore.exceptions.ClientError as e:
+            if self._code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._fail(e, f"{what} {name}") from None
+        except self._botocore.exceptions.BotoCoreError as e:
+            raise self._fail(e, f"{what} {name}") from None
+
+    def head(self, name: str) -> int | None:
+        """The size of object ``name``, or None when there is none."""
+        resp = self._maybe("HEAD", self.client.head_object, name)
+        return None if resp is None else int(resp["ContentLength"])
+
+    def get_bytes(self, name: str, limit: int = MAX_RECORD) -> bytes | None:
+        """The bytes of a small object (at most ``limit``), or None when there is none."""
+        resp = self._maybe("GET", self.client.get_object, name)
+        if resp is None:
+            return None
+        body = resp["Body"]
+        try:
+            data = body.read(limit + 1)
+        except (self._botocore.exceptions.BotoCoreError, OSError) as e:
+            raise self._fail(e, f"GET {name}") from None
+        finally:
+            body.close()
+        if len(data) > limit:
+            raise OversizedObject(f"{self.url}: {name} is larger than {limit} bytes: not written "
+                                  "by aotc")
+        return data
+
+    def open(self, name: str) -> tuple[BinaryIO, int]:
+        """A stream of object ``name`` and its size (``MissingObject`` when there is none)."""
+        resp = self._maybe("GET", self.client.get_object, name)
+        if resp is None:
+            raise MissingObject(f"{self.url}: {name} is missing")
+        return resp["Body"], int(resp.get("ContentLength", 0))
+
+    def put(self, name: str, body: bytes | BinaryIO, if_absent: bool = False) -> bool:
+        """Create or replace object ``name``. With ``if_absent`` only create it (a conditional
+        PUT): False when it already exists. A server without conditional writes falls back to
+        HEAD then PUT."""
+        kwargs: dict[str, Any] = {"Key": self.root + name, "Body": body}
+        if if_absent:
+            for attempt in range(5):
+                if hasattr(body, "seek"):
+                    body.seek(0)  # type: ignore[union-attr]
+                try:
+                    self.client.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
+                    return True
+                except self._botocore.exceptions.ClientError as e:
+                    code = self._code(e)
+                    if code in ("PreconditionFailed", "412"):
+                        return False
+                    if code in ("ConditionalRequestConflict", "409") and attempt < 4:
+                        time.sleep(0.2 * (attempt + 1))  # a concurrent write in flight: retry
+                        continue
+                    if code not in ("NotImplemented", "501"):
+                        raise self._fail(e, f"PUT {name}") from None
+                except self._botocore.exceptions.BotoCoreError as e:
+                    raise self._fail(e, f"PUT {name}") from None
+                break
+            # a server without conditional writes: HEAD then PUT (last writer wins in a race)
+            if self.head(name) is not None:
+                return False
+            if hasattr(body, "seek"):
+                body.seek(0)  # type: ignore[union-attr]
+        self._call(f"PUT {name}", self.client.put_object, **kwargs)
+        return True
+
+    def upload(self, name: str, path: str | os.PathLike[str], on_bytes: Any = None) -> None:
+        """Upload a file to object ``name`` (multipart when large); ``on_bytes(n)`` is called as
+        bytes go out."""
+        try:
+            self.client.upload_file(os.fspath(path), self.bucket, self.root + name, Callback=on_bytes)
+        except (self._botocore.exceptions.BotoCoreError, self._botocore.exceptions.ClientError) as e:
+            raise self._fail(e, f"upload of {name}") from None
+        except self._boto3.exceptions.S3UploadFailedError as e:
+            raise RemoteError(f"{self.url}: upload of {name} failed: {e}") from None
+        except OSError as e:
+            raise RemoteError(f"{self.url}: upload of {name} failed reading the local file ({e}); "
+                              "a concurrent `aotc gc`? push again") from None
+
+    def delete(self, name: str) -> None:
+        """Remove object ``name`` (no error when it is already gone)."""
+        self._call(f"DELETE {name}", self.client.delete_object, Key=self.root + name)
+
+    def list(self, prefix: str) -> Iterator[RemoteObject]:
+        """Every object whose name starts with ``prefix``, in name order."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.root + prefix):
+                for obj in page.get("Contents", []):
+                    yield RemoteObject(obj["Key"][len(self.root):], int(obj["Size"]),
+                                       obj["LastModified"].timestamp())
+        except (self._botocore.exceptions.BotoCoreError, self._botocore.exceptions.ClientError) as e:
+            raise self._fail(e, f"LIST {prefix}") from None
+
+
+def open_remote(url: str | None = None, endpoint_url: str | None = None) -> S3Remote | None:
+    """The remote ``url`` names, else ``AOTC_REMOTE``'s, else None."""
+    url = url or os.environ.get(REMOTE_ENV) or None
+    return S3Remote(url, endpoint_url) if url else None

@@ -1,0 +1,216 @@
+"""From a manifest and this machine to a store key, without tracing: the key factors, the lookup
+of a stored entry whose recorded source files still hash the same, and ``explain`` for a miss.
+
+The ``code`` factor (sha256 of every source file Dynamo traced) is only known after a trace, so an
+entry also records a *probe* key: the hash of every factor but ``code``. A lookup finds the
+entries with the same probe, re-hashes the files each recorded, and takes the one whose files are
+unchanged (its full key recomputed from the current hashes must equal its stored key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
+from aotc.counters import COUNTERS
+from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
+from aotc.manifest import Manifest, factory_path, thaw
+from aotc.lookup.filehash import file_sha256
+from aotc.lookup.toolchain import codegen_env
+
+
+# aotc's own modules whose logic shapes the artifacts (capture, split, compile settings), by
+# dotted name: a module that moves changes its name, and so the hash, on purpose.
+_COMPILE_LOGIC = ("aotc.compile.capture", "aotc.compile.split", "aotc.compile.pieces",
+                  "aotc.records.graphcode", "aotc._torch.dynamo", "aotc._torch.ops",
+                  "aotc._torch.inductor_compile", "aotc._torch.inductor_load",
+                  "aotc._torch.inductor_facts", "aotc._torch.wrapper")
+
+
+def _compile_logic_hash() -> str:
+    """sha256 over (module name, source) of each compile-logic module; the files are read from
+    this install without importing them (a lookup must not import the compile journey)."""
+    root = Path(__file__).resolve().parent.parent  # the aotc package
+    h = hashlib.sha256()
+    for name in _COMPILE_LOGIC:
+        path = root.joinpath(*name.split(".")[1:]).with_suffix(".py")
+        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def inductor_factors(patches: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The Inductor part of the key: the manifest's patches, the code-changing settings as this
+    process would compile with them (``values`` with the patches applied), and TORCHINDUCTOR_* /
+    TORCH_COMPILE_* / TORCHDYNAMO_* variables other than locations, thread counts and logging."""
+    applied = {**values, **{k: v for k, v in patches.items() if k in values}}
+    return {"patches": patches, "values": applied, "env": codegen_env()}
+
+
+def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
+    """Every key factor but ``code``: manifest, toolchain, Inductor settings, aotc's format and
+    compile-logic hash. ``machine`` is ``aotc.lookup.toolchain.machine_factors(...)``."""
+    m = manifest.key_factors()
+    m.pop("inductor", None)
+    return {"manifest": m, "toolchain": machine["toolchain"],
+            "inductor": inductor_factors(thaw(manifest.inductor), machine["inductor_values"]),
+            "aotc": {"format": FORMAT_VERSION, "compile_logic": _compile_logic_hash()}}
+
+
+def factory_source(manifest: Manifest) -> dict[str, str]:
+    """The factory's own source file (relative path -> sha256): it may bake constants into the
+    model that Dynamo never traces through, so it is always part of the ``code`` factor."""
+    m = manifest.model
+    if m.factory_file is not None:
+        rel, path = Path(m.factory_file).name, Path(m.factory_file)  # as capture records it
+    elif m.factory_module:
+        spec = importlib.util.find_spec(m.factory_module)
+        if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+            return {}
+        path = Path(spec.origin)
+        rel = m.factory_module.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
+    else:
+        return {}
+    return {rel: hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def full_factors(base: dict[str, Any], code: dict[str, str]) -> dict[str, Any]:
+    """``base`` plus the ``code`` group (relative source path -> sha256)."""
+    return {**base, "code": dict(sorted(code.items()))}
+
+
+def locate_source(rel: str, manifest: Manifest) -> Path | None:
+    """Find the file a recorded relative source path names, on this machine (None if absent)."""
+    factory_file = manifest.model.factory_file
+    if factory_file is not None and rel == Path(factory_file).name:
+        return Path(factory_file)
+    if rel.endswith(".py"):
+        dotted = rel[:-3].replace("/", ".").removesuffix(".__init__")
+        mod = sys.modules.get(dotted)
+        f = getattr(mod, "__file__", None)
+        if f:
+            return Path(f)
+        found = _in_top_package(rel)
+        if found is not None:
+            return found
+    for entry in sys.path:
+        cand = Path(entry or os.getcwd()) / rel
+        if cand.is_file():
+            return cand
+    return None
+
+
+def _in_top_package(rel: str) -> Path | None:
+    """``pkg/sub/mod.py`` inside the installed top-level package ``pkg``, found without
+    importing anything (a lookup must not import transformers to hash its files: 0.7 s)."""
+    top = rel.split("/", 1)[0].removesuffix(".py")
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: no parent package to import
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    for loc in spec.submodule_search_locations or ():
+        cand = Path(loc).parent / rel
+        if cand.is_file():
+            return cand
+    if spec.origin and "/" not in rel and os.path.basename(spec.origin) == rel:
+        return Path(spec.origin)
+    return None
+
+
+def hash_sources(recorded: dict[str, str], manifest: Manifest) -> dict[str, str]:
+    """Current sha256 of each recorded source file ("missing" when it cannot be found)."""
+    out = {}
+    with factory_path(manifest):  # a factory file's sibling modules are found beside it
+        for rel in recorded:
+            path = locate_source(rel, manifest)
+            out[rel] = "missing" if path is None else file_sha256(path)
+    return out
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The outcome of a lookup: ``entry`` when hit, else the closest entry and why it missed."""
+
+    probe: str
+    entry: Entry | None
+    closest: Entry | None = None
+    diffs: tuple[FactorDiff, ...] = ()
+    corrupt: CorruptedCacheError | None = None  # a same-probe entry found damaged on the way
+
+    @property
+    def hit(self) -> bool:
+        return self.entry is not None
+
+
+def _is_current(row: dict[str, Any], base: dict[str, Any], manifest: Manifest) -> bool:
+    """Whether a (damaged) entry row is what this manifest would compile to now: its recorded
+    source files still hash the same. Unreadable factors: assume so (report the damage)."""
+    try:
+        code = json.loads(row["factors"]).get("code", {})
+        return compute_key(full_factors(base, hash_sources(dict(code), manifest))) == row["key"]
+    except (TypeError, ValueError, AttributeError):
+        return True
+
+
+def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: bool = True) -> Resolution:
+    """Find the stored entry this manifest would compile to on this machine, without tracing.
+    ``machine`` is ``aotc.lookup.toolchain.machine_factors(...)``."""
+    base = base_factors(manifest, machine)
+    probe = compute_key(base)
+    rows = store.index.query(  # bad entries too: get() raises for them, so a lookup says why
+        "SELECT key, metadata, factors FROM entries ORDER BY created DESC")
+    candidates = []
+    corrupt: CorruptedCacheError | None = None
+    for row in rows:
+        try:  # parsed here, not with json_extract: one garbage row must not break every lookup
+            meta = json.loads(row["metadata"])
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(meta, dict) or meta.get("probe") != probe:
+            continue
+        try:
+            candidates.append(store.get(row["key"], record=False))
+        except CacheMiss:  # evicted meanwhile
+            continue
+        except CorruptedCacheError as exc:  # damaged (now marked bad): not a hit; kept to report
+            if _is_current(row, base, manifest):  # not if it was built from older sources
+                corrupt = corrupt or exc
+            continue
+    newest_miss: tuple[Entry, tuple[FactorDiff, ...]] | None = None
+    for cand in candidates:  # every candidate: servers on older code may share a store
+        code = cand.factors.get("code", {})
+        current = full_factors(base, hash_sources(code, manifest))
+        if compute_key(current) == cand.key:
+            entry = store.get(cand.key, record=record)
+            COUNTERS["cache_hits"] += 1
+            return Resolution(probe, entry)
+        if newest_miss is None:
+            newest_miss = (cand, tuple(explain(cand.factors, current)))
+    if newest_miss is not None:
+        cand, diffs = newest_miss
+        if record:
+            store.record_miss(cand.key, "; ".join(d.describe() for d in diffs)[:500])
+        return Resolution(probe, None, cand, diffs, corrupt)
+    # No entry with the same probe: diff against the newest entry of the same name, if any.
+    same_name = store.index.query(
+        "SELECT key FROM entries WHERE name = ? ORDER BY created DESC LIMIT 1", (manifest.name,))
+    closest = None
+    diffs: tuple[FactorDiff, ...] = ()
+    if same_name:
+        try:
+            closest = store.get(same_name[0]["key"], record=False)
+            code = closest.factors.get("code", {})
+            diffs = tuple(explain(closest.factors, full_factors(base, hash_sources(code, manifest))))
+        except (CacheMiss, CorruptedCacheError):
+            closest = None
+    if record:
+        store.record_miss(probe, manifest.name)
+    return Resolution(probe, None, closest, diffs, corrupt)

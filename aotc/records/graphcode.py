@@ -1,0 +1,192 @@
+"""FX graphs as plain JSON, and a tiny interpreter to run them with no Dynamo and no FX codegen.
+
+The stitching graph (placeholders → piece calls → getitems → output) and each splitting piece
+(one attention call plus the odd getitem) are stored this way in the ``Program``: the format is
+ours, readable, free of pickle, and stable across torch versions as long as the ops exist.
+
+Node targets are written as
+- ``"op:ns::name.overload"`` for an ``OpOverload`` (resolved through ``torch.ops``),
+- ``"fn:module.qualname"`` for a Python callable (``operator.getitem``,
+  ``torch._C._nn.scaled_dot_product_attention``, …), resolved by import + getattr,
+- ``"mod:submod_3"`` for a ``call_module`` of the stitching graph (a piece),
+- ``"method:view"`` for a ``call_method``.
+Arguments are JSON with ``{"$node": name}``, ``{"$dtype": "float32"}``, ``{"$device": "cuda:0"}``,
+``{"$tuple": [...]}`` and ``{"$slice": [start, stop, step]}`` for the values JSON lacks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx
+
+from aotc.errors import CompileError, LoadError
+from aotc._torch.ops import op_name
+
+Encoded = dict[str, Any]
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    t = node.target
+    if node.op == "call_module":
+        return f"mod:{t}"
+    if node.op == "call_method":
+        return f"method:{t}"
+    op = op_name(t)
+    if op is not None and not op.startswith("higher_order::"):
+        return f"op:{op}"
+    mod, name = getattr(t, "__module__", None), getattr(t, "__qualname__", None) or getattr(t, "__name__", None)
+    if t is operator.getitem:
+        return "fn:operator.getitem"
+    if mod and name and "<" not in name:
+        if mod == "torch._C._nn" or (mod == "torch.nn.functional"):
+            return f"fn:{mod}.{name}"
+        try:
+            if _resolve_fn(f"{mod}.{name}") is t:
+                return f"fn:{mod}.{name}"
+        except LoadError:
+            pass
+    raise CompileError(f"cannot serialize graph node {node.name!r}: target {t!r} has no stable name")
+
+
+def _encode_arg(a: Any) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return {"$node": a.name}
+    if isinstance(a, tuple):
+        return {"$tuple": [_encode_arg(x) for x in a]}
+    if isinstance(a, list):
+        return [_encode_arg(x) for x in a]
+    if isinstance(a, dict):
+        return {"$dict": {str(k): _encode_arg(v) for k, v in a.items()}}
+    if isinstance(a, torch.dtype):
+        return {"$dtype": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {"$device": str(a)}
+    if isinstance(a, slice):
+        return {"$slice": [_encode_arg(a.start), _encode_arg(a.stop), _encode_arg(a.step)]}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    if isinstance(a, torch.memory_format):
+        return {"$memory_format": str(a).removeprefix("torch.")}
+    raise CompileError(f"cannot serialize graph argument {a!r} ({type(a).__name__})")
+
+
+def encode_graph(gm: torch.fx.GraphModule) -> Encoded:
+    """The graph of ``gm`` as JSON-able nodes. ``get_attr`` is refused (pieces take no constants
+    from the stitching graph: parameters are graph inputs)."""
+    nodes = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            nodes.append({"op": "placeholder", "name": n.name})
+        elif n.op == "output":
+            nodes.append({"op": "output", "name": n.name, "args": _encode_arg(n.args[0])})
+        elif n.op in ("call_function", "call_module", "call_method"):
+            nodes.append({"op": "call", "name": n.name, "target": _target_name(n),
+                          "args": _encode_arg(tuple(n.args)), "kwargs": _encode_arg(dict(n.kwargs))})
+        else:
+            raise CompileError(f"cannot serialize graph node {n.name!r} of kind {n.op!r}")
+    return {"nodes": nodes}
+
+
+def _resolve_fn(qualname: str) -> Callable[..., Any]:
+    parts = qualname.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for p in parts[i:]:
+                obj = getattr(obj, p)
+        except AttributeError:
+            break
+        return obj
+    raise LoadError(f"graph refers to {qualname!r}, which this torch does not have")
+
+
+def _resolve_op(name: str) -> Callable[..., Any]:
+    ns, _, rest = name.partition("::")
+    opname, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), opname)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError) as e:
+        raise LoadError(
+            f"graph calls op {name!r}, which is not registered in this process; import the module "
+            "that defines it (building the model from its manifest does)"
+        ) from e
+
+
+_Getter = Callable[[Mapping[str, Any]], Any]
+
+
+def _compile_arg(a: Any) -> tuple[bool, _Getter]:
+    """``(constant, getter)``: a function of the environment that rebuilds the encoded argument
+    ``a`` (decoded once, here: the interpreter's per-call cost is then one call per node)."""
+    if isinstance(a, dict):
+        if "$node" in a:
+            key = a["$node"]
+            return False, lambda env: env[key]
+        for tag, build in (("$tuple", tuple), ("$slice", lambda xs: slice(*xs))):
+            if tag in a:
+                parts = [_compile_arg(x) for x in a[tag]]
+                if all(c for c, _ in parts):
+                    value = build([g({}) for _, g in parts])
+                    return True, lambda env: value
+                getters = [g for _, g in parts]
+                return False, lambda env: build([g(env) for g in getters])
+        if "$dict" in a:
+            items = [(k, _compile_arg(v)[1]) for k, v in a["$dict"].items()]
+            return False, lambda env: {k: g(env) for k, g in items}
+        for tag, make in (("$dtype", lambda v: getattr(torch, v)), ("$device", torch.device),
+                          ("$memory_format", lambda v: getattr(torch, v))):
+            if tag in a:
+                value = make(a[tag])
+                return True, lambda env: value
+    if isinstance(a, list):
+        parts = [_compile_arg(x) for x in a]
+        getters = [g for _, g in parts]
+        return all(c for c, _ in parts), lambda env: [g(env) for g in getters]
+    return True, lambda env: a
+
+
+class GraphProgram:
+    """A decoded graph, ready to run: ``program(modules, *args)``. Targets are resolved once."""
+
+    def __init__(self, encoded: Encoded) -> None:
+        self.placeholders: list[str] = []
+        self.steps: list[tuple[str, str, Any, _Getter, _Getter]] = []  # name, kind, fn, args, kwargs
+        self.output: _Getter = lambda env: None
+        for n in encoded["nodes"]:
+            if n["op"] == "placeholder":
+                self.placeholders.append(n["name"])
+            elif n["op"] == "output":
+                self.output = _compile_arg(n["args"])[1]
+            else:
+                kind, _, what = n["target"].partition(":")
+                fn: Any = what
+                if kind == "op":
+                    fn = _resolve_op(what)
+                elif kind == "fn":
+                    fn = operator.getitem if what == "operator.getitem" else _resolve_fn(what)
+                self.steps.append((n["name"], kind, fn, _compile_arg(n["args"])[1],
+                                   _compile_arg(n["kwargs"])[1]))
+
+    def __call__(self, modules: Mapping[str, Callable[..., Any]], *args: Any) -> Any:
+        if len(args) != len(self.placeholders):
+            raise LoadError(f"graph takes {len(self.placeholders)} inputs, got {len(args)}")
+        env: dict[str, Any] = dict(zip(self.placeholders, args))
+        for name, kind, fn, a, k in self.steps:
+            args_ = a(env)
+            kwargs = k(env)
+            if kind == "mod":
+                env[name] = modules[fn](*args_, **kwargs)
+            elif kind == "method":
+                env[name] = getattr(args_[0], fn)(*args_[1:], **kwargs)
+            else:
+                env[name] = fn(*args_, **kwargs)
+        return self.output(env)
+

@@ -1,0 +1,264 @@
+"""CUDA Graphs for a loaded program: piecewise (each compiled piece one graph, attention eager
+in between) or full (the whole forward one graph), one graph set per capture size, captured
+largest first into one shared memory pool.
+
+Replay of a call with ``n`` tokens uses the smallest capture size ``c >= n``: every input is
+padded with zeros along its token dim to ``c``, the graphs run, and the output is sliced back to
+``n`` rows and cloned (graph outputs live in the pool and are overwritten by the next replay).
+Padding is sound for models whose rows only depend on earlier rows (causal attention, the
+token-wise rest of a transformer): the padded rows come last. Above the largest capture size a
+call runs without graphs.
+
+Static buffers (piecewise): a piece's tensor argument that is a bound weight or the output of a
+graph captured earlier in the same forward has a fixed address and is used as is; any other
+(the eager attention's output, the user's inputs) gets a static buffer that each replay copies
+into. Each size's graphs are checked against the graph-less path on the capture inputs.
+
+The graph object is behind :class:`CudaGraph` (``capture``/``replay``) so that the bookkeeping
+can be exercised where there is no GPU (see tests); on CUDA it is ``torch.cuda.CUDAGraph``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aotc.errors import LoadError
+
+if TYPE_CHECKING:
+    from aotc.runtime.runner import Runner
+
+MODES = ("none", "piecewise", "full")
+
+
+class CudaGraph:
+    """One ``torch.cuda.CUDAGraph``: ``capture`` records ``fn(*args)`` into the shared pool and
+    returns its (static) outputs; ``replay`` re-runs the recorded kernels."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool, self.graph = pool, torch.cuda.CUDAGraph()
+
+    @staticmethod
+    def new_pool() -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            out = fn(*args)
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@dataclass
+class GraphReport:
+    """What capturing cost: sizes captured, graphs, seconds, and pool memory (bytes reserved by
+    the CUDA caching allocator over the capture; 0 where not measurable)."""
+
+    mode: str
+    sizes: list[int] = field(default_factory=list)
+    graphs: int = 0
+    seconds: float = 0.0
+    pool_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "sizes": self.sizes, "graphs": self.graphs,
+                "seconds": round(self.seconds, 4), "pool_bytes": self.pool_bytes}
+
+
+@dataclass
+class _Captured:
+    graph: Any
+    static_args: list[Any]
+    outputs: Any
+
+
+def _as_list(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class GraphSet:
+    """The captured graphs of one Runner. Created by :func:`capture`; :class:`GraphedRunner`
+    asks :meth:`serves` / :meth:`run` per call, and the runner's compiled pieces go through
+    :meth:`piece` (its ``piece_hook``)."""
+
+    def __init__(self, runner: Runner, mode: str, graph_cls: type = CudaGraph) -> None:
+        if mode not in MODES or mode == "none":
+            raise LoadError(f"cudagraph mode {mode!r}: expected piecewise or full")
+        self.runner, self.mode, self.graph_cls = runner, mode, graph_cls
+        self.pool = graph_cls.new_pool()
+        self.sizes: list[int] = []
+        self.report = GraphReport(mode)
+        self._lock = threading.Lock()
+        self._state: tuple[str, int] | None = None  # ("capture" | "replay", size) while running
+        self._pieces: dict[tuple[str, int], _Captured] = {}
+        self._full: dict[int, tuple[_Captured, list[torch.Tensor]]] = {}
+        self._stable: set[int] = {t.data_ptr() for t in runner.bound_tensors()}
+
+    # -- per call ---------------------------------------------------------------------------
+    def serves(self, n: int) -> int | None:
+        """The capture size a call with ``n`` tokens replays at, or None (run without graphs)."""
+        return next((c for c in sorted(self.sizes) if c >= n), None)
+
+    def run(self, inputs: Sequence[torch.Tensor], n: int, c: int) -> Any:
+        """Pad to ``c``, replay, slice back to ``n`` rows (a copy)."""
+        padded = self._pad(inputs, c)
+        with self._lock:
+            if self.mode == "full":
+                captured, static_inputs = self._full[c]
+                for s, x in zip(static_inputs, padded):
+                    s.copy_(x)
+                captured.graph.replay()
+                out = captured.outputs
+            else:
+                self._state = ("replay", c)
+                try:
+                    out = self.runner.run_at(padded, c)
+                finally:
+                    self._state = None
+            return _slice(out, n, c)
+
+    def piece(self, name: str, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        """Run compiled piece ``name``: plainly, or capture / replay its graph for this size."""
+        state = self._state
+        if state is None:
+            return fn(*args)
+        kind, c = state
+        if kind == "replay":
+            cap = self._pieces.get((name, c))
+            if cap is None:
+                raise LoadError(f"no CUDA graph of piece {name} for {c} tokens")
+            for s, a in zip(cap.static_args, args):
+                if isinstance(s, torch.Tensor):
+                    if s.data_ptr() != a.data_ptr():
+                        s.copy_(a)
+                elif s != a:
+                    raise LoadError(f"piece {name}: argument {a!r} differs from the captured {s!r}")
+            cap.graph.replay()
+            return cap.outputs
+        static_args = [a if not isinstance(a, torch.Tensor) or a.data_ptr() in self._stable
+                       else a.clone() for a in args]
+        graph = self.graph_cls(self.pool)
+        out = graph.capture(fn, static_args)
+        self._pieces[(name, c)] = _Captured(graph, static_args, out)
+        self._stable.update(t.data_ptr() for t in _as_list(out) if isinstance(t, torch.Tensor))
+        self.report.graphs += 1
+        return out
+
+    # -- capture ------------------------------------------------------------------------------
+    def capture_size(self, c: int) -> None:
+        """Warm up, capture and check the graphs for ``c`` tokens."""
+        inputs = self.runner.dummy_inputs(c)
+        want = _as_list(self.runner.run_at(inputs, c))  # warm-up (also: the reference)
+        want = [w.clone() if isinstance(w, torch.Tensor) else w for w in want]
+        if self.mode == "full":
+            static_inputs = [x.clone() for x in inputs]
+            graph = self.graph_cls(self.pool)
+            out = graph.capture(lambda *xs: self.runner.run_at(list(xs), c), static_inputs)
+            self._full[c] = (_Captured(graph, static_inputs, out), static_inputs)
+            self.report.graphs += 1
+        else:
+            self._state = ("capture", c)
+            try:
+                self.runner.run_at(inputs, c)
+            finally:
+                self._state = None
+        self.sizes.append(c)
+        got = _as_list(self.run(inputs, c, c))
+        for g, w in zip(got, want):
+            if isinstance(w, torch.Tensor) and not torch.allclose(g, w, atol=1e-3, rtol=1e-3):
+                self.sizes.remove(c)
+                raise LoadError(f"CUDA graph replay at {c} tokens differs from the graph-less run "
+                                f"(max abs diff {float((g - w).abs().max()):.3g}); set "
+                                "`cudagraph: none` in the manifest and report this")
+
+    def _pad(self, inputs: Sequence[torch.Tensor], c: int) -> list[torch.Tensor]:
+        out = []
+        for x, spec in zip(inputs, self.runner.program.inputs):
+            dims = [d for d, s in enumerate(spec["shape"]) if s == "tokens"]
+            if not dims or x.shape[dims[0]] == c:
+                out.append(x)
+                continue
+            shape = list(x.shape)
+            shape[dims[0]] = c
+            p = x.new_zeros(shape)
+            p.narrow(dims[0], 0, x.shape[dims[0]]).copy_(x)
+            out.append(p)
+        return out
+
+
+def _slice(out: Any, n: int, c: int) -> Any:
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() == 0 or t.shape[0] != c:
+            raise LoadError(f"graph output of shape {list(t.shape)} has no token dim 0 of size {c}"
+                            "; padding cannot be undone: set `cudagraph: none`")
+        return t[:n].clone()
+
+    if isinstance(out, (list, tuple)):
+        return type(out)(cut(t) for t in out)
+    return cut(out)
+
+
+class GraphedRunner:
+    """A :class:`~aotc.runtime.runner.Runner` with CUDA graphs around it: a call of up to the
+    largest capture size replays its graphs, any other runs the runner plainly. Everything else
+    (``program``, ``model``, ``eager``, ``warmup``, ``timings`` …) is the runner's."""
+
+    def __init__(self, runner: Runner, graphs: GraphSet) -> None:
+        self.runner, self.graphs = runner, graphs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs, n = self.runner.prepare(args, kwargs)
+        c = self.graphs.serves(n)
+        if c is None:
+            return self.runner.run_at(inputs, n)
+        with torch.no_grad():
+            return self.graphs.run(inputs, n, c)
+
+
+def capture(runner: Runner, mode: str, sizes: Sequence[int], graph_cls: type = CudaGraph,
+            device: str = "cuda") -> GraphedRunner | None:
+    """Capture ``runner``'s graphs for each servable size in ``sizes``, largest first, in one
+    pool, and wrap it; None for mode ``none`` or no size. Raises ``LoadError`` when a capture
+    fails (the runner is then left as it was)."""
+    if mode == "none":
+        return None
+    program = runner.program
+    servable = sorted({int(c) for c in sizes if 1 <= int(c) <= program.max_tokens and (
+        int(c) >= program.min_dynamic_tokens or int(c) in program.compile_sizes)}, reverse=True)
+    if not servable:
+        return None
+    graphs = GraphSet(runner, mode, graph_cls)
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    before = torch.cuda.memory_reserved() if cuda else 0
+    t = time.perf_counter()
+    runner.piece_hook = graphs.piece  # the pieces route through it from here on
+    for c in servable:
+        try:
+            graphs.capture_size(c)
+        except LoadError:
+            runner.piece_hook = None
+            raise
+        except Exception as e:  # noqa: BLE001 - a capture error must name the size and the fix
+            runner.piece_hook = None
+            raise LoadError(f"capturing {mode} CUDA graphs at {c} tokens failed "
+                            f"({type(e).__name__}: {e}); use `cudagraph: piecewise` (attention "
+                            "eager) or `none`") from e
+    if cuda:
+        torch.cuda.synchronize()
+    graphs.report.seconds = time.perf_counter() - t
+    graphs.report.sizes = list(servable)
+    graphs.report.pool_bytes = (torch.cuda.memory_reserved() - before) if cuda else 0
+    runner.timings.add("capture", graphs.report.seconds)
+    return GraphedRunner(runner, graphs)

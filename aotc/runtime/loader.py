@@ -1,0 +1,156 @@
+"""The warm start: manifest (or key) → stored entry (every blob verified) → Program → artifacts
+rehydrated with their shipped kernels → bound to the live model's weights → ``Runner``.
+
+No Dynamo trace and no Inductor compile happen here: the key is resolved without tracing
+(``aotc.lookup.resolve``). A piece whose generated wrapper qualified at compile time runs through
+``aotc._torch.wrapper`` (Inductor is never imported); any other piece is loaded with
+``CompiledArtifact.load``; both over the kernel libraries compiled at ``aotc compile`` time.
+``AOTC_LOADER=inductor`` forces ``CompiledArtifact.load`` for every piece.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from aotc.model.build import build_model
+from aotc.cache import CacheMiss, Entry, Store
+from aotc.lookup.stores import as_manifest, open_store, split_store
+from aotc.errors import LoadError
+from aotc.manifest import Manifest
+from aotc.records.program import PROGRAM_ROLE, Program
+from aotc.lookup.toolchain import machine_factors
+from aotc.fleet.trust import enforce, trust_policy
+from aotc.runtime.rehydrate import rehydrate
+from aotc.lookup.resolve import resolve
+from aotc.runtime.runner import Runner, Timings
+
+_WORKDIRS: list[Path] = []
+
+
+def _workdir() -> Path:
+    """A per-process directory for rehydrated artifacts; removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="aotc-load-"))
+    if not _WORKDIRS:
+        atexit.register(lambda: [shutil.rmtree(p, ignore_errors=True) for p in _WORKDIRS])
+    _WORKDIRS.append(path)
+    return path
+
+
+def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any = None,
+                trusted: frozenset[str] = frozenset()) -> Entry:
+    t = time.perf_counter()
+    toolchain = machine_factors(manifest.device, store.base / "toolchain")
+    res = resolve(manifest, store, toolchain, record=True)
+    timings.add("resolve", time.perf_counter() - t)
+    if res.entry is not None:
+        return res.entry
+    if res.corrupt is not None:  # the entry for this machine exists but is damaged: say that
+        raise res.corrupt
+    if remote is not None:  # pull-through: fetch it, verified, into the local store, then load
+        from aotc.progress import Progress
+        from aotc.fleet.sync import pull_for_manifest
+
+        t = time.perf_counter()
+        quiet = not sys.stderr.isatty() and not os.environ.get("AOTC_PROGRESS")
+        pulled = pull_for_manifest(manifest, remote, store, toolchain, trusted, Progress(quiet=quiet))
+        timings.add("pull", time.perf_counter() - t)
+        if pulled is not None:
+            timings.pulled_bytes = pulled.bytes_moved
+            return _find_entry(manifest, store, timings)
+    where = manifest.path or manifest.name
+    why = ""
+    if res.closest is not None:
+        why = f"; the closest stored entry, key {res.closest.key[:16]}… ({res.closest.name}), differs"
+        why += (" in " + ", ".join(d.path for d in res.diffs[:4])) if res.diffs else ""
+    elif res.diffs:
+        why = "; differs from the closest entry in " + ", ".join(d.path for d in res.diffs[:4])
+    changed = [d.path.removeprefix("code.") for d in res.diffs if d.path.startswith("code.")]
+    if changed:
+        why += f" (changed source file: {', '.join(changed[:3])})"
+    where_remote = f" nor in {remote.url}" if remote is not None else ""
+    raise CacheMiss(res.probe, label="lookup key (every factor but the traced sources)",
+                    hint=f"{manifest.name} is not compiled for this machine{where_remote}{why}; run "
+                         f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
+
+
+def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
+               options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
+               capture_sizes: Any = None, trusted: frozenset[str] = frozenset()) -> Runner:
+    """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
+    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). Under a trust policy
+    (``trusted`` public keys) the entry's signature is checked before any blob is read."""
+    timings = timings or Timings()
+    t = time.perf_counter()
+    enforce(store, entry, trusted)
+    program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
+    work = _workdir()
+    kernel_root = work / "kernels"
+    dests = {role: kernel_root / rel for rel, role in program.kernel_roles.items()}
+    fast = _use_fast_path()
+    for a in program.artifacts:
+        role = a.wrapper_role if fast and a.wrapper_role else a.role
+        dests[role] = work / "artifacts" / role.replace("/", "_")
+    store.extract_blobs(entry, dests)
+    timings.add("read+verify", time.perf_counter() - t)
+    t = time.perf_counter()
+    by_uid = rehydrate(program, dests, kernel_root, options, fast=fast)
+    timings.add("deserialize", time.perf_counter() - t)
+    runner = Runner(program, by_uid, model, key=entry.key, timings=timings)
+    sizes = program.capture_sizes if capture_sizes is None else capture_sizes
+    if program.device.startswith("cuda") and cudagraph != "none" and sizes:
+        from aotc.runtime.cudagraph import capture
+
+        return capture(runner, cudagraph, sizes, device=program.device) or runner
+    return runner
+
+
+def _use_fast_path() -> bool:
+    return os.environ.get("AOTC_LOADER", "").strip().lower() != "inductor"
+
+
+def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,
+         device: str | None = None, trust: Any = (), remote: Any = None) -> Runner:
+    """Warm-start a compiled model (see module doc).
+
+    ``manifest_or_key``: a manifest (object or path) — the key is resolved for this machine — or
+    a stored key (64 hex chars; then ``model`` is required). ``model``: the module whose
+    parameters to bind (the server's own weights); built from the manifest when None.
+    ``device`` overrides the manifest's device. ``trust``: public keys (hex) to require a
+    signature by, besides ``AOTC_TRUST_KEYS`` (``aotc.fleet.trust``). ``remote``: a remote store
+    (``s3://bucket/prefix`` or an ``aotc.fleet.remote.S3Remote``; default ``AOTC_REMOTE``) to pull the
+    entry from on a local miss; ``store="s3://…"`` means that remote in front of the default local
+    store. Raises ``CacheMiss`` naming the fix, ``TrustError`` for an entry the policy refuses.
+    """
+    timings = Timings()
+    trusted = trust_policy(trust)
+    store, remote = split_store(store, remote)
+    if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
+        if model is None:
+            raise LoadError("loading by key needs `model=`: the module whose weights to bind")
+        st = open_store(store, create=remote is not None)
+        if remote is not None and not st.has(manifest_or_key):
+            from aotc.fleet.sync import pull_entry
+
+            pull_entry(remote, st, manifest_or_key, trusted)
+        entry = st.get(manifest_or_key)
+        options = entry.factors.get("inductor", {}).get("patches", {})
+        return load_entry(entry, st, model, timings, options=options, trusted=trusted)
+    manifest = as_manifest(manifest_or_key)
+    if device is not None and device != manifest.device:
+        manifest = manifest.replace(device=device)
+    st = open_store(store, manifest, create=remote is not None)
+    entry = _find_entry(manifest, st, timings, remote, trusted)
+    if model is None:
+        t = time.perf_counter()
+        model = build_model(manifest)
+        timings.add("build model", time.perf_counter() - t)
+    return load_entry(entry, st, model, timings, options=dict(manifest.inductor),
+                      cudagraph=manifest.cudagraph, capture_sizes=manifest.capture_sizes,
+                      trusted=trusted)

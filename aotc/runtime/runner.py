@@ -1,0 +1,282 @@
+"""The runtime of a stitched program: feed the graph from a live module + user inputs, dispatch
+each compiled piece by token count (static artifact for that size, else the dynamic one), run
+splitting pieces (attention) eagerly. No Dynamo, no compiler."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from aotc.model.build import DTYPES
+from aotc.model.forward import pick_output, unwrap
+from aotc.errors import AotcError, InputError, LoadError, RunError
+from aotc.records.graphcode import GraphProgram
+from aotc.records.program import Program
+
+Artifact = Callable[..., Sequence[torch.Tensor]]
+_PATH = re.compile(r"(?:/[^\s:,'\"]+)+\.(?:cpp|h|py|so)(?::\d+)?")  # compile-time staging paths
+
+
+class _CompiledPiece:
+    """Calls the artifact for the runner's current token count."""
+
+    def __init__(self, runner: Runner, name: str, uid: str, by_size: Mapping[int | None, Artifact],
+                 returns_tuple: bool = True) -> None:
+        self.runner, self.name, self.uid, self.by_size = runner, name, uid, dict(by_size)
+        self.returns_tuple = returns_tuple
+        self.dynamic = self.by_size.get(None)
+
+    def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
+        n = self.runner.current_tokens
+        fn = self.by_size.get(n) or self.dynamic
+        if fn is None:
+            raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
+                             f"(static sizes: {sorted(k for k in self.by_size if k)})")
+        hook = self.runner.piece_hook
+        try:
+            out = fn(*args) if hook is None else hook(self.name, fn, args)
+        except RuntimeError as e:  # a kernel's own check (an index out of range, ...)
+            raise self.runner.kernel_error(self, n, e) from e
+        out = out if isinstance(out, (list, tuple)) else (out,)
+        return out if self.returns_tuple else out[0]
+
+
+class _SplittingPiece:
+    """Runs an attention piece's small graph eagerly."""
+
+    def __init__(self, graph: GraphProgram) -> None:
+        self.graph = graph
+
+    def __call__(self, *args: Any) -> Any:
+        return self.graph({}, *args)
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each phase of a warm start (filled by the loader)."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    pulled_bytes: int = 0  # bytes fetched from a remote store on a local miss (pull-through)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+
+class Runner:
+    """``runner(*inputs)`` or ``runner(name=tensor, …)``: the compiled model, bound to ``model``'s
+    parameters and buffers (by their names in ``model``: the server's own module, e.g. what
+    ``transformers`` returns). Returns the declared output (a tuple when several are declared)."""
+
+    def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
+                 model: torch.nn.Module, key: str = "", timings: Timings | None = None) -> None:
+        self.program, self.key, self.model = program, key, unwrap(model)
+        self.timings = timings or Timings()
+        self._local = threading.local()  # the token count of the call in flight, per thread
+        # Runs each compiled piece in place of a plain call when set: ``hook(name, fn, args)``
+        # (a CUDA graph wrapper captures and replays pieces through it)
+        self.piece_hook: Callable[[str, Artifact, Sequence[Any]], Any] | None = None
+        self.input_names = tuple(str(s["name"]) for s in program.inputs)
+        t0 = time.perf_counter()
+        self._stitch = GraphProgram(program.stitch)
+        self._modules: dict[str, Callable[..., Any]] = {}
+        for p in program.pieces:
+            if p.kind == "compiled":
+                self._modules[p.name] = _CompiledPiece(self, p.name, str(p.uid),
+                                                       artifacts[str(p.uid)], p.returns_tuple)
+            else:
+                self._modules[p.name] = _SplittingPiece(GraphProgram(p.graph or {"nodes": []}))
+        self._bind(self.model)
+        self.timings.add("bind", time.perf_counter() - t0)
+
+    @property
+    def current_tokens(self) -> int:
+        """The token count of the call in flight on this thread."""
+        return int(getattr(self._local, "tokens", 0))
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(model.named_buffers(remove_duplicate=False))
+        self._bound: list[Any] = []
+        for slot in self.program.slots:
+            if slot.kind not in ("param", "buffer"):
+                self._bound.append(None)
+                continue
+            t = state.get(str(slot.fqn))
+            if t is None:
+                raise LoadError(f"the model has no {slot.kind} {slot.fqn!r} that the compiled "
+                                f"program takes; bind the module the manifest describes "
+                                f"({type(model).__name__} has e.g. {next(iter(state), 'nothing')!r})")
+            if t.device.type != torch.device(self.program.device).type:
+                raise LoadError(f"{slot.kind} {slot.fqn!r} is on {t.device}, the program runs on "
+                                f"{self.program.device}; move the model first")
+            if slot.dtype is not None and str(t.dtype).removeprefix("torch.") != slot.dtype:
+                raise LoadError(f"{slot.kind} {slot.fqn!r} is {t.dtype}, the program was compiled "
+                                f"for {slot.dtype}")
+            if slot.shape is not None and list(t.shape) != list(slot.shape):
+                raise LoadError(f"{slot.kind} {slot.fqn!r} has shape {list(t.shape)}, the program "
+                                f"was compiled for {slot.shape}")
+            self._bound.append(t)
+
+    def arrange(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        """The inputs in the program's order from a positional and/or keyword call (the
+        manifest's input names); an unknown, repeated or missing name is an ``InputError``."""
+        names = self.input_names
+        if not kwargs:
+            if len(args) != len(names):
+                raise InputError(f"expected {len(names)} inputs ({', '.join(names)}), got {len(args)}")
+            return list(args)
+        if len(args) > len(names):
+            raise InputError(f"expected {len(names)} inputs ({', '.join(names)}), got {len(args)} "
+                             "positional ones")
+        given: dict[str, Any] = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise InputError(f"unknown input {k!r}; the program takes {', '.join(names)}")
+            if k in given:
+                raise InputError(f"input {k!r} given twice (by position and by name)")
+            given[k] = v
+        missing = [n for n in names if n not in given]
+        if missing:
+            raise InputError(f"missing input {missing[0]!r}; the program takes {', '.join(names)}")
+        return [given[n] for n in names]
+
+    def check_inputs(self, inputs: Sequence[Any]) -> int:
+        """Validate inputs (in the program's order) against the recorded spec; return the token
+        count."""
+        specs = self.program.inputs
+        if len(inputs) != len(specs):
+            raise InputError(f"expected {len(specs)} inputs ({', '.join(s['name'] for s in specs)}), "
+                             f"got {len(inputs)}")
+        n: int | None = None
+        for t, spec in zip(inputs, specs):
+            name = spec["name"]
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"input {name!r}: expected a tensor, got {type(t).__name__}")
+            if t.dtype != DTYPES[spec["dtype"]]:
+                raise InputError(f"input {name!r}: expected dtype {spec['dtype']}, got "
+                                 f"{str(t.dtype).removeprefix('torch.')}")
+            if t.dim() != len(spec["shape"]):
+                raise InputError(f"input {name!r}: expected rank {len(spec['shape'])} "
+                                 f"{spec['shape']}, got shape {list(t.shape)}")
+            if t.device.type != torch.device(self.program.device).type:
+                raise InputError(f"input {name!r}: expected device {self.program.device}, got {t.device}")
+            for d, want in enumerate(spec["shape"]):
+                got = int(t.shape[d])
+                if want == "tokens":
+                    if n is not None and got != n:
+                        raise InputError(f"input {name!r}: dim {d} has {got} tokens, other inputs have {n}")
+                    n = got
+                elif got != want:
+                    raise InputError(f"input {name!r}: dim {d} must be {want}, got {got}")
+        if n is None:
+            n = 0
+        if not 1 <= n <= self.program.max_tokens:
+            raise InputError(f"token count {n} is outside [1, max_tokens={self.program.max_tokens}]")
+        if n < self.program.min_dynamic_tokens and n not in self.program.compile_sizes:
+            raise InputError(f"{n} tokens: the dynamic artifact serves >= "
+                             f"{self.program.min_dynamic_tokens}; add {n} to compile_sizes")
+        return n
+
+    def kernel_error(self, piece: _CompiledPiece, n: int, e: BaseException) -> AotcError:
+        """A compiled kernel's failure, told in the caller's terms: which piece at which size,
+        the kernel's own words without compile-time paths, and an input outside the range the
+        manifest declares (a token id beyond the vocabulary) when the call has one."""
+        text = " ".join(_PATH.sub("", str(e)).split())
+        text = re.sub(r"^kernel,\s*(?::\d+)?,\s*", "", text)[:300]  # "kernel, <path>:44, why"
+        inputs = getattr(self._local, "inputs", None) or ()
+        for t, spec in zip(inputs, self.program.inputs):
+            high, low = spec.get("high"), spec.get("low") or 0
+            if high is None or t.dtype.is_floating_point or t.dtype == torch.bool or not t.numel():
+                continue
+            lo, hi = int(t.min()), int(t.max())
+            if lo < low or hi >= high:
+                bad = hi if hi >= high else lo
+                return InputError(f"input {spec['name']!r} holds {bad}, outside [{low}, {high}) "
+                                  f"(the manifest's low/high); piece {piece.name} ({n} tokens) "
+                                  f"failed: {text}")
+        return RunError(f"piece {piece.name} (unique piece {piece.uid[:8]}, {n} tokens) failed: {text}")
+
+    def bound_tensors(self) -> list[torch.Tensor]:
+        """The model's parameters and buffers the program reads (fixed addresses)."""
+        return [t for t in self._bound if t is not None]
+
+    def dummy_inputs(self, n: int) -> list[torch.Tensor]:
+        """Zero inputs of ``n`` tokens (warm-up and graph capture)."""
+        return [torch.zeros([n if d == "tokens" else int(d) for d in s["shape"]],
+                            dtype=DTYPES[s["dtype"]], device=self.program.device)
+                for s in self.program.inputs]
+
+    def warmup(self, sizes: Sequence[int] | None = None) -> float:
+        """Run every compiled artifact once (default: each compile size and one dynamic size) on
+        zero inputs, so the first real call pays no one-time cost (torch's custom-op machinery,
+        kernel libraries' first touch). Buffers the program mutates (a KV cache) are restored
+        afterwards. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if sizes is None:
+            dyn = [n for n in range(max(2, self.program.min_dynamic_tokens), self.program.max_tokens + 1)
+                   if n not in self.program.compile_sizes][:1]
+            sizes = [*self.program.compile_sizes, *dyn]
+        buffers = [t for t, s in zip(self._bound, self.program.slots) if s.kind == "buffer"]
+        saved = [b.clone() for b in buffers]
+        try:
+            for n in sizes:
+                self.run_at(self.dummy_inputs(int(n)), int(n))
+        finally:
+            with torch.no_grad():
+                for b, v in zip(buffers, saved):
+                    b.copy_(v)
+        seconds = time.perf_counter() - t0
+        self.timings.add("warmup", seconds)
+        return seconds
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The bound model itself, called as the program is (by name, declared output picked):
+        the reference a compiled call is compared with."""
+        inputs = self.arrange(args, kwargs)
+        with torch.no_grad():
+            out = self.model(**dict(zip(self.input_names, inputs)))
+        return pick_output(out, self.program.output)
+
+    def prepare(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list[Any], int]:
+        """A call's inputs in the program's order, contiguous (a strided view such as
+        ``ids[::2]`` is copied) and checked; and its token count."""
+        inputs = [t.contiguous() if isinstance(t, torch.Tensor) else t
+                  for t in self.arrange(args, kwargs)]
+        return inputs, self.check_inputs(inputs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        inputs, n = self.prepare(args, kwargs)
+        return self.run_at(inputs, n)
+
+    def run_at(self, inputs: Sequence[torch.Tensor], n: int) -> Any:
+        """Run the stitched program on checked inputs of ``n`` tokens (no graphs replayed unless
+        the graph set is replaying)."""
+        self._local.tokens = n
+        self._local.inputs = inputs
+        args = []
+        for slot, bound in zip(self.program.slots, self._bound):
+            if bound is not None:
+                args.append(bound)
+            elif slot.kind == "input":
+                args.append(inputs[int(slot.index)])  # type: ignore[arg-type]
+            else:
+                args.append(int(inputs[int(slot.index)].shape[int(slot.dim)]))  # type: ignore[arg-type]
+        try:
+            with torch.no_grad():
+                out = self._stitch(self._modules, *args)
+        finally:
+            self._local.inputs = None
+        if isinstance(self.program.output, (list, tuple)):
+            return tuple(out)
+        if isinstance(out, (list, tuple)) and len(out) == 1:
+            return out[0]
+        return out
