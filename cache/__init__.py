@@ -4,11 +4,11 @@ from aotc.cache.errors import (
     AotcError, CacheMiss, CorruptedCacheError, CorruptedIndexError, StoreError, StoreLockedError,
     StoreNotFoundError, StoreReadOnlyError,
 )
-from aotc.cache.store import Entry, Store, default_store_path
+from aotc.cache.store import Entry, Store
 
 __all__ = [
     "AotcError", "CacheMiss", "CorruptedCacheError", "CorruptedIndexError", "StoreError", "StoreLockedError",
-    "StoreNotFoundError", "StoreReadOnlyError", "Entry", "Store", "default_store_path",
+    "StoreNotFoundError", "StoreReadOnlyError", "Entry", "Store",
 ]
 
 from aotc.cache.maintenance import (  # noqa: E402

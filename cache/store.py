@@ -37,17 +37,6 @@ CACHEDIR_TAG = (
 )
 
 
-def default_store_path(env: Mapping[str, str] | None = None) -> Path:
-    """``AOTC_STORE``, else ``$XDG_CACHE_HOME/aotc``, else ``~/.cache/aotc``. An ``AOTC_STORE``
-    that names a remote store (``s3://…``) is not a directory: the default one caches it."""
-    env = os.environ if env is None else env
-    if env.get("AOTC_STORE") and not env["AOTC_STORE"].startswith("s3://"):
-        return Path(env["AOTC_STORE"]).expanduser()
-    xdg = env.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "aotc"
-
-
 @dataclass(frozen=True)
 class BlobRef:
     """One named blob of an entry."""
@@ -363,7 +352,7 @@ class Store:
 
     def delete(self, key: str) -> int:
         """Delete an entry and every blob no other entry uses; returns the bytes freed on disk."""
-        from aotc.cache.maintenance import delete_entries
+        from aotc.cache.deletion import delete_entries
 
         return delete_entries(self, [key])
 

@@ -27,14 +27,16 @@ __all__ = ["cli", "main"]
                    "~/.cache/aotc), or a remote store URL (the default directory caches it).")
 @click.option("--remote", "remote_url", default=None, metavar="s3://BUCKET/PREFIX",
               help="Remote store for push, pull and pull-through (default: $AOTC_REMOTE).")
-@click.option("--endpoint-url", default=None, envvar="AOTC_S3_ENDPOINT", metavar="URL",
+@click.option("--endpoint-url", default=None, metavar="URL",
               help="S3-compatible endpoint (default: $AOTC_S3_ENDPOINT, else boto3's configuration).")
 @click.version_option(package_name="aotc")
 @click.pass_context
 def cli(ctx: click.Context, store_path: str | None, remote_url: str | None,
         endpoint_url: str | None) -> None:
     """aotc: compile a PyTorch model ahead of time, keep the artifacts in a store, warm-start fast."""
-    ctx.obj = AppContext(store_path, remote_url, endpoint_url)
+    from aotc.settings import current
+
+    ctx.obj = AppContext(store_path, remote_url, endpoint_url, settings=current())
 
 
 cli.add_command(inspect_group)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -11,7 +10,8 @@ from typing import Any, Callable
 import click
 
 from aotc.cache.errors import AotcError
-from aotc.cache.store import Store, default_store_path
+from aotc.cache.store import Store
+from aotc.settings import Settings, current, is_remote_url
 
 
 class AppContext:
@@ -24,19 +24,16 @@ class AppContext:
     names the remote that ``push``, ``pull`` and ``run`` use."""
 
     def __init__(self, store_path: str | None, remote_url: str | None = None,
-                 endpoint_url: str | None = None) -> None:
-        from aotc.fleet.remote import is_remote_url
-
-        env_store = os.environ.get("AOTC_STORE") or None
-        self.store_is_remote = is_remote_url(store_path or env_store)
+                 endpoint_url: str | None = None, settings: Settings | None = None) -> None:
+        self.settings = settings = settings or current()
+        self.store_is_remote = is_remote_url(store_path or settings.store)
         if self.store_is_remote:  # the local cache: AOTC_STORE if that is a directory
-            self.remote_url: str | None = store_path or env_store
-            store_path = None if is_remote_url(env_store) else env_store
+            self.remote_url: str | None = store_path or settings.store
+            store_path = None
         else:
-            store_path = store_path or env_store
-            self.remote_url = remote_url or os.environ.get("AOTC_REMOTE") or None
-        self.endpoint_url = endpoint_url
-        self.store_path = Path(store_path).expanduser() if store_path else default_store_path()
+            self.remote_url = remote_url or settings.remote
+        self.endpoint_url = endpoint_url or settings.s3_endpoint
+        self.store_path = Path(store_path).expanduser() if store_path else settings.default_store_path()
         self._store: Store | None = None
         self._remote: Any = None
 

@@ -3,7 +3,6 @@ the store commands stay torch-free)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import click
@@ -18,7 +17,7 @@ def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:
     from aotc.lookup.stores import open_store
 
     app: AppContext = ctx.obj
-    explicit = ctx.find_root().params.get("store_path") or os.environ.get("AOTC_STORE")
+    explicit = ctx.find_root().params.get("store_path") or app.settings.store
     if explicit or manifest.store is None:
         return app.writable_store if create else app.store
     return open_store(manifest.store, create=create)

@@ -312,12 +312,12 @@ def test_compile_with_a_remote_store_publishes(compiled, s3) -> None:
 def test_a_remote_aotc_store_is_not_a_directory(monkeypatch, tmp_path: Path) -> None:
     """``AOTC_STORE=s3://…``: the Python API and the CLI treat it as the remote, cached by the
     default directory — never as a local path named ``s3:``."""
-    from aotc.cache import default_store_path
     from aotc.cli.common import AppContext
+    from aotc.settings import Settings
     from aotc.lookup.stores import split_store
 
     env = {"AOTC_STORE": "s3://bucket/prefix", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    assert default_store_path(env) == tmp_path / "xdg" / "aotc"
+    assert Settings.from_env(env).default_store_path() == tmp_path / "xdg" / "aotc"
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AOTC_REMOTE", raising=False)

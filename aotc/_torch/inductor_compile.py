@@ -1,6 +1,6 @@
 """Compiling and saving pieces with Inductor (``standalone_compile``), their cache keys, and the
 CPU vector-ISA probe libraries: the compile side of the fence around ``torch._inductor``.
-Torch 2.11–2.13, API differences feature-checked; run and tested: 2.13.0 CPU, 2.11 CUDA (H200).
+Written for torch 2.11–2.13, API differences feature-checked; tested on 2.13.0 (CPU).
 
 Shipping kernels: a ``standalone_compile`` artifact holds the wrapper and kernel *sources*
 (Triton binaries too) but not the compiled C++ libraries, so a fresh process would run the C++

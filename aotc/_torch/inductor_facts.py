@@ -3,7 +3,8 @@ code-changing Inductor settings, the config aotc always compiles and loads with,
 compile counters. Beside :mod:`aotc._torch.inductor_compile` and :mod:`aotc._torch.inductor_load`; these are
 the only modules that touch ``torch._inductor`` / ``torch._dynamo`` internals.
 
-Tested with torch 2.13 (CPU) and 2.11 (CUDA); attributes that may be missing are feature-checked.
+Tested on torch 2.13 (CPU); written for 2.11–2.13 (CUDA not yet run), attributes that may be
+missing are feature-checked.
 """
 
 from __future__ import annotations

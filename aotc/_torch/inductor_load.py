@@ -2,7 +2,8 @@
 with them, in a scoped Inductor cache dir: the load side of the fence around ``torch._inductor``.
 The warm start uses it only for pieces that do not qualify for :mod:`aotc._torch.wrapper`.
 Loading through here still runs ``g++ --version`` (part of each kernel's key) and imports
-Inductor (~3 s). Torch 2.11–2.13 (run: 2.13.0 CPU, 2.11 CUDA), API differences feature-checked.
+Inductor (~3 s). Written for torch 2.11–2.13, API differences feature-checked; tested on 2.13.0
+(CPU).
 """
 
 from __future__ import annotations

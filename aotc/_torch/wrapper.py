@@ -249,9 +249,10 @@ def _load_kernel_library(path: Path, digest: str) -> Callable[..., Any]:
     spec = importlib.util.spec_from_file_location(f"aotc_k{digest[:20]}.kernel", str(path))
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import kernel library {path}")
-    module = importlib.util.module_from_spec(spec)
     # the library reads the hook's address from the environment once, in its init function
+    # (PyInit runs when the module object is created)
     with scoped_env(**({_DATA_PTR_ENV: str(hook)} if hook is not None else {})):
+        module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return module.kernel  # type: ignore[no-any-return]
 

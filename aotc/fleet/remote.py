@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
 
 from aotc.cache.errors import AotcError
+from aotc.settings import ENV, Settings, current, is_remote_url  # noqa: F401 - is_remote_url: re-exported
 
-ENDPOINT_ENV = "AOTC_S3_ENDPOINT"
-REMOTE_ENV = "AOTC_REMOTE"
+ENDPOINT_ENV = ENV["s3_endpoint"]  # for messages: the variable is read in aotc.settings
 LAYOUT = "store-v1"
 MAX_RECORD = 16 << 20
 
@@ -42,11 +42,6 @@ class MissingObject(RemoteError):
 
 class OversizedObject(RemoteError):
     """A remote object is larger than anything aotc writes under that name."""
-
-
-def is_remote_url(text: object) -> bool:
-    """Whether ``text`` names a remote store (``s3://…``)."""
-    return isinstance(text, str) and text.startswith("s3://")
 
 
 @dataclass(frozen=True)
@@ -80,7 +75,7 @@ class S3Remote:
         self.url = f"s3://{bucket}" + (f"/{prefix}" if prefix else "")
         self.bucket = bucket
         self.root = (f"{prefix}/" if prefix else "") + f"{LAYOUT}/"
-        self.endpoint_url = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
+        self.endpoint_url = endpoint_url or current().s3_endpoint
         self._client: Any = None
 
     @property
@@ -264,7 +259,9 @@ class S3Remote:
             raise self._fail(e, f"LIST {prefix}") from None
 
 
-def open_remote(url: str | None = None, endpoint_url: str | None = None) -> S3Remote | None:
-    """The remote ``url`` names, else ``AOTC_REMOTE``'s, else None."""
-    url = url or os.environ.get(REMOTE_ENV) or None
-    return S3Remote(url, endpoint_url) if url else None
+def open_remote(url: str | None = None, endpoint_url: str | None = None,
+                settings: Settings | None = None) -> S3Remote | None:
+    """The remote ``url`` names, else the settings' (``AOTC_REMOTE``), else None."""
+    settings = settings or current()
+    url = url or settings.remote
+    return S3Remote(url, endpoint_url or settings.s3_endpoint) if url else None

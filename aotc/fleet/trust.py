@@ -19,10 +19,11 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from aotc.settings import ENV, Settings, current
 from aotc.cache import Entry, Store
 from aotc.errors import AotcError
 
-TRUST_ENV = "AOTC_TRUST_KEYS"
+TRUST_ENV = ENV["trust_keys"]  # for messages: the variable is read in aotc.settings
 
 
 class TrustError(AotcError):
@@ -90,10 +91,10 @@ def _parse_public(text: str) -> str:
     return text.lower()
 
 
-def trust_policy(explicit: Iterable[str] = ()) -> frozenset[str]:
-    """The trusted public keys: ``explicit`` ones plus those in ``AOTC_TRUST_KEYS``. Empty = no
-    policy (entries are loaded whether signed or not)."""
-    found = [*explicit, *os.environ.get(TRUST_ENV, "").replace(",", " ").split()]
+def trust_policy(explicit: Iterable[str] = (), settings: Settings | None = None) -> frozenset[str]:
+    """The trusted public keys: ``explicit`` ones plus the settings' (``AOTC_TRUST_KEYS``).
+    Empty = no policy (entries are loaded whether signed or not)."""
+    found = [*explicit, *(settings or current()).trust_keys]
     return frozenset(_parse_public(t) for t in found if t.strip())
 
 

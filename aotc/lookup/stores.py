@@ -1,17 +1,19 @@
 """Opening the store a caller means: a ``Store``, a path, the manifest's ``store`` field, or the
-default (``AOTC_STORE``, else ``$XDG_CACHE_HOME/aotc``). Kept apart from the compiler so that a
-warm start imports nothing of the compile journey."""
+default (``AOTC_STORE``, else ``$XDG_CACHE_HOME/aotc``: :class:`aotc.settings.Settings`). Kept
+apart from the compiler so that a warm start imports nothing of the compile journey."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from aotc.cache import Store, default_store_path
+from aotc.cache import Store
 from aotc.manifest import Manifest, load_manifest
+from aotc.settings import Settings, current, is_remote_url
 
 
-def open_store(store: Any, manifest: Manifest | None = None, create: bool = False) -> Store:
+def open_store(store: Any, manifest: Manifest | None = None, create: bool = False,
+               settings: Settings | None = None) -> Store:
     """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default.
     ``create``: make it when missing (journeys that write); otherwise a missing store is a
     ``StoreNotFoundError`` naming the path."""
@@ -21,23 +23,22 @@ def open_store(store: Any, manifest: Manifest | None = None, create: bool = Fals
         return Store(store, create=create)
     if manifest is not None and manifest.store is not None:
         return Store(manifest.store, create=create)
-    return Store(default_store_path(), create=create)
+    return Store((settings or current()).default_store_path(), create=create)
 
 
-def split_store(store: Any, remote: Any = None) -> tuple[Any, Any]:
+def split_store(store: Any, remote: Any = None, settings: Settings | None = None) -> tuple[Any, Any]:
     """(local store argument, ``S3Remote`` or None) from what a caller passed: ``store`` may be a
     remote URL (then the local store is the default one; so is an ``AOTC_STORE`` that is one),
     ``remote`` a URL or an ``S3Remote``; with neither, ``AOTC_REMOTE``."""
-    import os
+    from aotc.fleet.remote import open_remote
 
-    from aotc.fleet.remote import is_remote_url, open_remote
-
-    if store is None and is_remote_url(os.environ.get("AOTC_STORE")):
-        store = os.environ["AOTC_STORE"]
+    settings = settings or current()
+    if store is None and settings.store_is_remote:
+        store = settings.store
     if is_remote_url(store):
         store, remote = None, remote or store
     if remote is None or isinstance(remote, str):
-        remote = open_remote(remote)
+        remote = open_remote(remote, settings=settings)
     return store, remote
 
 

@@ -11,7 +11,6 @@ No Dynamo trace and no Inductor compile happen here: the key is resolved without
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from aotc.manifest import Manifest
 from aotc.records.program import PROGRAM_ROLE, Program
 from aotc.lookup.toolchain import machine_factors
 from aotc.fleet.trust import enforce, trust_policy
+from aotc.settings import current
 from aotc.runtime.rehydrate import rehydrate
 from aotc.lookup.resolve import resolve
 from aotc.runtime.runner import Runner, Timings
@@ -44,7 +44,7 @@ def _workdir() -> Path:
 
 
 def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any = None,
-                trusted: frozenset[str] = frozenset()) -> Entry:
+                trusted: frozenset[str] = frozenset(), progress: bool = False) -> Entry:
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
     res = resolve(manifest, store, toolchain, record=True)
@@ -58,7 +58,7 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
         from aotc.fleet.sync import pull_for_manifest
 
         t = time.perf_counter()
-        quiet = not sys.stderr.isatty() and not os.environ.get("AOTC_PROGRESS")
+        quiet = not sys.stderr.isatty() and not progress
         pulled = pull_for_manifest(manifest, remote, store, toolchain, trusted, Progress(quiet=quiet))
         timings.add("pull", time.perf_counter() - t)
         if pulled is not None:
@@ -82,10 +82,12 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
 
 def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
                options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
-               capture_sizes: Any = None, trusted: frozenset[str] = frozenset()) -> Runner:
+               capture_sizes: Any = None, trusted: frozenset[str] = frozenset(),
+               fast: bool | None = None) -> Runner:
     """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
     (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). Under a trust policy
-    (``trusted`` public keys) the entry's signature is checked before any blob is read."""
+    (``trusted`` public keys) the entry's signature is checked before any blob is read.
+    ``fast``: the no-Inductor fast path where recorded (default: unless ``AOTC_LOADER=inductor``)."""
     timings = timings or Timings()
     t = time.perf_counter()
     enforce(store, entry, trusted)
@@ -93,7 +95,7 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
     work = _workdir()
     kernel_root = work / "kernels"
     dests = {role: kernel_root / rel for rel, role in program.kernel_roles.items()}
-    fast = _use_fast_path()
+    fast = current().loader != "inductor" if fast is None else fast
     for a in program.artifacts:
         role = a.wrapper_role if fast and a.wrapper_role else a.role
         dests[role] = work / "artifacts" / role.replace("/", "_")
@@ -111,10 +113,6 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
     return runner
 
 
-def _use_fast_path() -> bool:
-    return os.environ.get("AOTC_LOADER", "").strip().lower() != "inductor"
-
-
 def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,
          device: str | None = None, trust: Any = (), remote: Any = None) -> Runner:
     """Warm-start a compiled model (see module doc).
@@ -129,28 +127,30 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
     store. Raises ``CacheMiss`` naming the fix, ``TrustError`` for an entry the policy refuses.
     """
     timings = Timings()
-    trusted = trust_policy(trust)
-    store, remote = split_store(store, remote)
+    settings = current()  # the AOTC_* variables, read once for this load
+    trusted = trust_policy(trust, settings)
+    store, remote = split_store(store, remote, settings)
+    fast = settings.loader != "inductor"
     if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
         if model is None:
             raise LoadError("loading by key needs `model=`: the module whose weights to bind")
-        st = open_store(store, create=remote is not None)
+        st = open_store(store, create=remote is not None, settings=settings)
         if remote is not None and not st.has(manifest_or_key):
             from aotc.fleet.sync import pull_entry
 
             pull_entry(remote, st, manifest_or_key, trusted)
         entry = st.get(manifest_or_key)
         options = entry.factors.get("inductor", {}).get("patches", {})
-        return load_entry(entry, st, model, timings, options=options, trusted=trusted)
+        return load_entry(entry, st, model, timings, options=options, trusted=trusted, fast=fast)
     manifest = as_manifest(manifest_or_key)
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)
-    st = open_store(store, manifest, create=remote is not None)
-    entry = _find_entry(manifest, st, timings, remote, trusted)
+    st = open_store(store, manifest, create=remote is not None, settings=settings)
+    entry = _find_entry(manifest, st, timings, remote, trusted, progress=settings.progress)
     if model is None:
         t = time.perf_counter()
         model = build_model(manifest)
         timings.add("build model", time.perf_counter() - t)
     return load_entry(entry, st, model, timings, options=dict(manifest.inductor),
                       cudagraph=manifest.cudagraph, capture_sizes=manifest.capture_sizes,
-                      trusted=trusted)
+                      trusted=trusted, fast=fast)

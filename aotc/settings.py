@@ -1,0 +1,81 @@
+"""Every ``AOTC_*`` environment variable, read in one place into a frozen :class:`Settings`.
+
+Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environment once with
+:func:`current` and pass the object down; nothing else in aotc reads an ``AOTC_*`` variable.
+
+| variable | field | meaning |
+|---|---|---|
+| ``AOTC_STORE`` | ``store`` | the local store directory, or an ``s3://bucket/prefix`` remote that is then *the* store (the default directory caches it) |
+| ``AOTC_REMOTE`` | ``remote`` | the remote store for push, pull and pull-through on a local miss |
+| ``AOTC_S3_ENDPOINT`` | ``s3_endpoint`` | an S3-compatible endpoint (MinIO, Ceph, moto) instead of boto3's configuration |
+| ``AOTC_TRUST_KEYS`` | ``trust_keys`` | trusted public keys (hex, or files holding one; comma or space separated): a policy for every load, import and pull |
+| ``AOTC_LOADER`` | ``loader`` | ``inductor``: load every piece through ``CompiledArtifact.load`` instead of the fast path |
+| ``AOTC_PROGRESS`` | ``progress`` | ``1``: draw progress (pull-through transfers) even when stderr is not a terminal |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ENV", "Settings", "current", "is_remote_url"]
+
+ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
+       "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS"}
+
+
+def is_remote_url(value: object) -> bool:
+    """Whether ``value`` names a remote store (``s3://…``) rather than a directory."""
+    return isinstance(value, str) and value.startswith("s3://")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """aotc's configuration from the environment (see the module's table)."""
+
+    store: str | None = None
+    remote: str | None = None
+    s3_endpoint: str | None = None
+    trust_keys: tuple[str, ...] = ()
+    loader: str = "fast"
+    progress: bool = False
+    cache_home: Path | None = None  # $XDG_CACHE_HOME: where the default store lives
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read the variables once (``env`` default: the process environment)."""
+        env = os.environ if env is None else env
+        text = {k: (env.get(v) or "").strip() or None for k, v in ENV.items()}
+        loader = (text["loader"] or "fast").lower()
+        xdg = env.get("XDG_CACHE_HOME")
+        return cls(
+            store=text["store"], remote=text["remote"], s3_endpoint=text["s3_endpoint"],
+            trust_keys=tuple(t for t in (text["trust_keys"] or "").replace(",", " ").split() if t),
+            loader="inductor" if loader == "inductor" else "fast",
+            progress=(text["progress"] or "0").lower() not in ("0", "", "false", "no"),
+            cache_home=Path(xdg).expanduser() if xdg else None,
+        )
+
+    @property
+    def store_is_remote(self) -> bool:
+        """``AOTC_STORE`` names a remote (``s3://…``): it is the store, cached locally."""
+        return is_remote_url(self.store)
+
+    @property
+    def remote_url(self) -> str | None:
+        """The remote store in effect: a remote ``AOTC_STORE``, else ``AOTC_REMOTE``."""
+        return self.store if self.store_is_remote else self.remote
+
+    def default_store_path(self) -> Path:
+        """The local store: ``AOTC_STORE`` (a directory), else ``$XDG_CACHE_HOME/aotc``, else
+        ``~/.cache/aotc``."""
+        if self.store and not self.store_is_remote:
+            return Path(self.store).expanduser()
+        return (self.cache_home or Path.home() / ".cache") / "aotc"
+
+
+def current() -> Settings:
+    """The settings of the process environment as it is now (read once per entry point)."""
+    return Settings.from_env()

@@ -1,0 +1,187 @@
+"""The house keeps its shape: private torch APIs only in aotc/_torch, a warm start that never
+imports the compile journey, a store package that imports neither torch nor the rest of aotc,
+no import cycle among aotc's modules, every AOTC_* variable read in aotc/settings.py only."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, ROOT, python_env
+
+# (source folder, the dotted name it installs as)
+PACKAGES = [(ROOT / "aotc", "aotc"), (ROOT / "cache", "aotc.cache"), (ROOT / "cli", "aotc.cli")]
+
+
+def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    """Every module of aotc by dotted name, parsed."""
+    out = {}
+    for folder, dotted in PACKAGES:
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            if folder.name == "aotc" and rel.parts[0] in ("cache", "cli"):
+                continue
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([dotted, *parts])] = (path, ast.parse(path.read_text(), str(path)))
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, tree: ast.Module) -> set[str]:
+    """The aotc modules ``name`` imports (at any depth of the file, lazily or not)."""
+    found: set[str] = set()
+    package = name if MODULES[name][0].name == "__init__.py" else name.rpartition(".")[0]
+    type_only = {id(n) for stmt in ast.walk(tree) if isinstance(stmt, ast.If)
+                 and ast.unparse(stmt.test).endswith("TYPE_CHECKING") for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:  # imports for type checkers only never run
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.add(sub if sub in MODULES else base)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _torch_private_uses(tree: ast.Module) -> list[str]:
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id == "torch" \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                uses.append(f"line {node.lineno}: torch.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._"):
+            uses.append(f"line {node.lineno}: from {node.module} import …")
+        elif isinstance(node, ast.Import):
+            uses += [f"line {node.lineno}: import {a.name}" for a in node.names
+                     if a.name.startswith("torch._")]
+    return sorted(set(uses))
+
+
+def test_private_torch_apis_only_inside_aotc_torch() -> None:
+    outside = {name: uses for name, (_p, tree) in MODULES.items()
+               if not name.startswith("aotc._torch") and (uses := _torch_private_uses(tree))}
+    assert outside == {}
+    inside = [name for name in MODULES if name.startswith("aotc._torch.")]
+    assert len(inside) >= 5
+    for name in inside:  # each fenced module says which torch versions it was tested on
+        doc = ast.get_docstring(MODULES[name][1]) or ""
+        assert "tested" in doc.lower() and "2.1" in doc, name
+
+
+def test_no_import_cycle_among_aotc_modules() -> None:
+    graph = {name: _imports(name, tree) for name, (_p, tree) in MODULES.items()}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(n: str, stack: list[str]) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycles.append(stack[stack.index(m):] + [m])
+            elif m not in state:
+                visit(m, stack)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [])
+    assert cycles == []
+
+
+def test_the_store_imports_neither_torch_nor_the_rest_of_aotc() -> None:
+    for name, (_p, tree) in MODULES.items():
+        if not name.startswith("aotc.cache"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                mods = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            for m in mods:
+                assert not m.startswith("torch"), (name, m)
+                assert not m.startswith("aotc") or m.startswith("aotc.cache"), (name, m)
+    code = ("import sys, aotc.cache\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch', 'aotc'))))")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=python_env(),
+                         timeout=60)
+    loaded = eval(out.stdout)  # noqa: S307 - our own child's repr of a list of names
+    assert [m for m in loaded if m != "aotc" and not m.startswith("aotc.cache")] == []
+
+
+def _env_reads(tree: ast.Module) -> list[str]:
+    """``os.environ[...]``, ``os.environ.get(...)``, ``os.getenv(...)`` of an ``AOTC_*`` name,
+    click ``envvar="AOTC_*"``, and module constants holding an ``AOTC_*`` name."""
+    found = []
+
+    def aotc_name(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) \
+            and node.value.startswith("AOTC_")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("environ") \
+                and aotc_name(node.slice):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            if func.endswith(("environ.get", "getenv", "environ.pop", "environ.setdefault")) \
+                    and node.args and aotc_name(node.args[0]):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+            found += [f"line {node.lineno}: envvar={k.value.value!r}" for k in node.keywords
+                      if k.arg == "envvar" and aotc_name(k.value)]
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and aotc_name(stmt.value):
+            found.append(f"line {stmt.lineno}: {ast.unparse(stmt)}")
+    return found
+
+
+def test_aotc_variables_are_read_only_in_settings() -> None:
+    reads = {name: r for name, (_p, tree) in MODULES.items()
+             if name != "aotc.settings" and (r := _env_reads(tree))}
+    assert reads == {}
+    assert _env_reads(MODULES["aotc.settings"][1]) == []  # it reads them through its ENV table
+    from aotc.settings import ENV
+
+    assert set(ENV.values()) == {"AOTC_STORE", "AOTC_REMOTE", "AOTC_S3_ENDPOINT",
+                                 "AOTC_TRUST_KEYS", "AOTC_LOADER", "AOTC_PROGRESS"}
+
+
+@pytest.mark.slow
+def test_a_warm_start_imports_nothing_of_the_compile_journey(compiled) -> None:
+    _tmp, store, results = compiled
+    code = ("import sys, aotc\n"
+            f"r = aotc.load({str(results[2][0])!r}, store={str(store.root)!r})\n"
+            "from aotc.model.build import make_named_inputs\n"
+            "r(**make_named_inputs(r.program and __import__('aotc.manifest', fromlist=['x'])"
+            f".load_manifest({str(results[2][0])!r}), 5))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('aotc.compile') or "
+            "m.startswith('torch._inductor')))")
+    out = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=python_env(),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_layout_helpers_see_the_code() -> None:
+    """The checks above would see a violation: they are run here on small made-up modules."""
+    bad = ast.parse("import torch\nimport torch._dynamo\nx = torch._inductor.config\n"
+                    "import os\ny = os.environ.get('AOTC_STORE')\nZ = 'AOTC_X'\n")
+    assert len(_torch_private_uses(bad)) == 2
+    assert len(_env_reads(bad)) == 2
+    assert sys.version_info >= (3, 10)
