@@ -1,4 +1,4 @@
-# aotc — make demo | make test | make bench | make bench-quick | make lint
+# aotc — make demo | make test | make test-quick | make bench | make bench-quick | make lint
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The demo uses a store inside the checkout so it never touches ~/.cache.
 DEMO_STORE ?= $(CURDIR)/.aotc-store
 
-.PHONY: install demo test bench bench-quick lint clean
+.PHONY: install demo test test-quick bench bench-quick lint clean
 
 install: $(STAMP)
 
@@ -28,14 +28,18 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
+# <= 3 min: everything but the tests marked slow (no model compiles beyond one tiny piece)
+test-quick: install
+	$(PY) -m pytest -q -m "not slow" tests
+
 # Full side-by-side run (<= 20 min on 2 cores): writes bench/results/latest.{json,md}
 bench: install
-	$(PY) bench/store.py
-	$(PY) bench/sidebyside.py
+	$(PY) -m bench.store
+	$(PY) -m bench.sidebyside
 
 # <= 3 min: 2 layers, 1 compile size, one run per contender
 bench-quick: install
-	$(PY) bench/sidebyside.py --quick --out bench/results/quick
+	$(PY) -m bench.sidebyside --quick --out bench/results/quick
 
 lint: install
 	$(PY) -m compileall -q aotc cache cli bench tests

@@ -16,6 +16,7 @@ __all__ = [
     "AotcError", "CacheMiss", "CorruptedCacheError", "StoreError", "StoreLockedError",
     "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
     "NumericMismatchError", "LoadError", "InputError", "RunError",
+    "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "BundleError",
 ]
 
 
@@ -69,3 +70,33 @@ class InputError(AotcError):
 
 class RunError(AotcError):
     """A compiled piece failed while running (a kernel's own check); names the piece and size."""
+
+
+class RemoteError(AotcError):
+    """A remote store cannot be reached or used, or holds something damaged (named, with the fix)."""
+
+    exit_code = 1
+
+
+class MissingObject(RemoteError):
+    """A remote object that should be there is not."""
+
+
+class OversizedObject(RemoteError):
+    """A remote object is larger than anything aotc writes under that name."""
+
+
+class DamagedRemoteEntry(RemoteError):
+    """A remote entry's record does not parse or names another key."""
+
+
+class TrustError(AotcError):
+    """An entry is not signed by a trusted key under the trust policy, or a key is unusable."""
+
+    exit_code = 1
+
+
+class BundleError(AotcError):
+    """A bundle file that cannot be exported or imported as it is (named, with the reason)."""
+
+    exit_code = 1

@@ -35,10 +35,10 @@ def _counters() -> dict[str, int]:
     if "aotc.counters" in sys.modules:
         from aotc.counters import COUNTERS
 
-        out["aotc_traces"], out["aotc_compiles"] = COUNTERS["traces"], COUNTERS["compiles"]
+        out["aotc_traces"], out["aotc_compiles"] = COUNTERS.traces, COUNTERS.compiles
         # standalone_compile counts in Inductor's own counter; aotc's Dynamo capture does not
-        out["inductor_compiles"] = max(out["inductor_compiles"], COUNTERS["compiles"])
-        out["dynamo_frames"] += COUNTERS["traces"]
+        out["inductor_compiles"] = max(out["inductor_compiles"], COUNTERS.compiles)
+        out["dynamo_frames"] += COUNTERS.traces
     return out
 
 

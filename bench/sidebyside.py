@@ -37,9 +37,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 
-from report import markdown, ratios_and_targets  # noqa: E402
+from bench.report import markdown, ratios_and_targets
 
 CONTENDERS = ("eager", "tc-cold", "tc-warm", "tc-mega", "aotc-cold", "aotc-warm", "aotc-remote")
 SIZE_SETS = {1: [16], 5: [1, 2, 4, 8, 16], 10: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
@@ -161,7 +160,6 @@ class Bench:
 def remote_store(work: Path, env: dict[str, str]) -> Iterator[str]:
     """An S3-compatible server (moto's standalone server, tests/helpers/s3server.py) on loopback
     with one bucket; ``env`` is pointed at it. Yields ``s3://bucket``."""
-    sys.path.insert(0, str(ROOT))
     import boto3
 
     from tests.helpers.s3server import S3_ENV, s3_server

@@ -14,15 +14,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from aotc.cache import Store  # noqa: E402
+from aotc.cache import Store
 
 
 def make_corpus(dest: Path, mib: int) -> list[Path]:

@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from aotc.cache import blobio, workdirs
 from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError

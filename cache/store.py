@@ -379,6 +379,19 @@ class Store:
         return {r["public_key"]: r["signature"] for r in self.index.query(
             "SELECT public_key, signature FROM signatures WHERE key = ?", (key,))}
 
+    def entry_rows(self) -> list[dict[str, Any]]:
+        """Every entry's index row as stored (``key``, ``name``, ``metadata`` and ``factors`` as
+        JSON text, ``bad``), newest first, damaged ones included: a lookup parses each itself,
+        so that one garbage row cannot break every lookup."""
+        return self.index.query("SELECT key, name, metadata, factors, bad FROM entries "
+                                "ORDER BY created DESC")
+
+    def newest_key_named(self, name: str) -> str | None:
+        """The key of the newest entry of that name, or None."""
+        rows = self.index.query("SELECT key FROM entries WHERE name = ? ORDER BY created DESC "
+                                "LIMIT 1", (name,))
+        return str(rows[0]["key"]) if rows else None
+
     def keys(self) -> list[str]:
         """All entry keys, oldest first."""
         return [r["key"] for r in self.index.query("SELECT key FROM entries ORDER BY created")]

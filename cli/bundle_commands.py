@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from aotc.cache.humanize import format_size
+from aotc.cli.options import json_option, trust_option
 from aotc.cli.common import AppContext, guard, pass_app, print_json
 
 
@@ -14,7 +15,7 @@ from aotc.cli.common import AppContext, guard, pass_app, print_json
 @click.argument("target")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="The bundle file to write (e.g. model.aotc).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option
 @pass_app
 @guard
 def export_command(app: AppContext, target: str, output: str, as_json: bool) -> None:
@@ -35,9 +36,8 @@ def export_command(app: AppContext, target: str, output: str, as_json: bool) -> 
 
 @click.command("import")
 @click.argument("bundle", type=click.Path(dir_okay=False, exists=True))
-@click.option("--trust", multiple=True, metavar="PUBKEY",
-              help="A trusted public key (hex or a file); adds to AOTC_TRUST_KEYS.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@trust_option
+@json_option
 @pass_app
 @guard
 def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], as_json: bool) -> None:

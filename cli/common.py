@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -115,7 +114,3 @@ def print_json(obj: Any) -> None:
 def echo_err(msg: str) -> None:
     """Progress and notes go to stderr so stdout stays clean for --json."""
     click.echo(msg, err=True)
-
-
-def stderr_is_tty() -> bool:
-    return sys.stderr.isatty()

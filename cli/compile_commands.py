@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from aotc.cache.humanize import format_size
+from aotc.cli.options import json_option, trust_option, quiet_option
 from aotc.cli.common import AppContext, echo_err, guard, print_json
 
 
@@ -26,8 +27,8 @@ def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:
 @click.command("compile")
 @click.argument("manifest", type=click.Path(dir_okay=False))
 @click.option("--force", is_flag=True, help="Recompile even when the store has the entry.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@json_option
+@quiet_option
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Compile pieces in N processes (each re-traces the model once).")
 @click.pass_context
@@ -76,7 +77,7 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
 
 @click.command("explain")
 @click.argument("targets", nargs=-1, required=True, metavar="MANIFEST | KEY_A KEY_B")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@json_option
 @click.pass_context
 @guard
 def explain_command(ctx: click.Context, targets: tuple[str, ...], as_json: bool) -> None:
@@ -116,9 +117,8 @@ def _parse_sizes(ctx: click.Context, param: click.Parameter, value: str) -> list
 @click.option("--sizes", default="1,7,16,100", callback=_parse_sizes, show_default=True,
               help="Token counts to run.")
 @click.option("--check-eager", is_flag=True, help="Compare with the eager model; exit 1 above tolerance.")
-@click.option("--trust", multiple=True, metavar="PUBKEY",
-              help="Require a signature by this public key (hex or file); adds to AOTC_TRUST_KEYS.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@trust_option
+@json_option
 @click.pass_context
 @guard
 def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager: bool,

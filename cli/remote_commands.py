@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from aotc.cache.humanize import format_size
+from aotc.cli.options import json_option, trust_option, quiet_option
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
 
 
@@ -34,8 +35,8 @@ def _print(result: Any, as_json: bool, local: Path) -> None:
               help="The remote store (default: --store / --remote / $AOTC_REMOTE).")
 @click.option("--force", is_flag=True,
               help="Upload every blob and replace the remote record (repairs a damaged remote entry).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@quiet_option
+@json_option
 @pass_app
 @guard
 def push_command(app: AppContext, target: str | None, url: str | None, force: bool, quiet: bool,
@@ -80,10 +81,9 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
 @click.argument("target")
 @click.option("--from", "url", default=None, metavar="s3://BUCKET/PREFIX",
               help="The remote store (default: --store / --remote / $AOTC_REMOTE).")
-@click.option("--trust", multiple=True, metavar="PUBKEY",
-              help="Require a signature by this public key (hex or file); adds to AOTC_TRUST_KEYS.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@trust_option
+@quiet_option
+@json_option
 @pass_app
 @guard
 def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str, ...],

@@ -8,6 +8,7 @@ import click
 
 from aotc.cache import maintenance
 from aotc.cache.humanize import format_size
+from aotc.cli.options import json_option, trust_option
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
 
 _COLUMNS = ("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON DISK", "CREATED", "LAST USED", "HITS")
@@ -24,7 +25,7 @@ def inspect_group() -> None:
 
 
 @inspect_group.command("cache")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option
 @click.option("-v", "--verbose", is_flag=True, help="Show full keys and the shapes of each entry.")
 @pass_app
 @guard
@@ -80,9 +81,8 @@ def _inspect_remote(app: AppContext, as_json: bool, verbose: bool) -> None:
 @click.option("--signatures", is_flag=True,
               help="Also report each entry's signature state; exit 1 if a trust policy is set "
                    "and an entry is not signed by a trusted key.")
-@click.option("--trust", multiple=True, metavar="PUBKEY",
-              help="A trusted public key (hex or a file); adds to AOTC_TRUST_KEYS.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@trust_option
+@json_option
 @pass_app
 @guard
 def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple[str, ...],
@@ -155,7 +155,7 @@ def _verify_remote(app: AppContext, repair: bool, as_json: bool) -> None:
 @click.option("--min-idle", default=maintenance.DEFAULT_MIN_IDLE, type=float, show_default=True,
               help="Seconds since an entry was last written or read before it may be evicted "
                    "(protects loaders reading it).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option
 @pass_app
 @guard
 def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: float,

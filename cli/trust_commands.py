@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from aotc.cli.options import json_option
 from aotc.cli.common import AppContext, guard, pass_app, print_json
 
 
@@ -24,7 +25,7 @@ def keygen_command(app: AppContext, path: str) -> None:
 @click.option("--key", "key_file", required=True, type=click.Path(dir_okay=False, exists=True),
               help="Private key file written by `aotc keygen`.")
 @click.option("--all", "sign_all", is_flag=True, help="Sign every entry in the store.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option
 @pass_app
 @guard
 def sign_command(app: AppContext, keys: tuple[str, ...], key_file: str, sign_all: bool,

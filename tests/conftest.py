@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +33,18 @@ def python_env() -> dict[str, str]:
 
 
 PYTHON = sys.executable
+AOTC_CLI = [PYTHON, "-m", "aotc.cli"]  # the command line, run as a fresh process
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+            check: bool = False) -> subprocess.CompletedProcess:
+    """``aotc ARGS`` in a fresh process (this interpreter, ``python_env()``), output captured;
+    with ``check`` a non-zero exit fails the test with the tail of stderr."""
+    res = subprocess.run([*AOTC_CLI, *args], capture_output=True, text=True,
+                         env=python_env() if env is None else env, timeout=timeout)
+    if check:
+        assert res.returncode == 0, res.stderr[-3000:]
+    return res
 
 
 def copy_store(src: Path, dst: Path) -> None:

@@ -6,21 +6,15 @@ start compiles."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 def test_harness_runs_every_contender_and_writes_results(tmp_path) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import sidebyside
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    from bench import sidebyside
+
     out = tmp_path / "results"
     results = sidebyside.main(["--runs", "1", "--layers", "1", "--sizes", "1", "--hidden", "64",
                                "--steady", "1,16", "--steady-iters", "2", "--no-scaling",

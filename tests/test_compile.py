@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from aotc.cache import Store, scan
 from aotc.cli import cli
-from tests.conftest import ROOT, SIZES, python_env, toy_manifest
+from tests.conftest import AOTC_CLI, ROOT, SIZES, python_env, toy_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def test_cli_compile_hit_json_in_fresh_process(compiled) -> None:
     tmp, store, results = compiled
     manifest = results[4][0]
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "aotc.cli", "--store", str(store.root), "compile",
+    out = subprocess.run([*AOTC_CLI, "--store", str(store.root), "compile",
                           str(manifest), "--json"], capture_output=True, text=True,
                          env=python_env(), timeout=120)
     elapsed = time.perf_counter() - t

@@ -13,13 +13,13 @@ import pytest
 from aotc.cache import Store, verify
 import json
 
-from tests.conftest import PYTHON, copy_store, python_env, tiny_manifest
+from tests.conftest import AOTC_CLI, PYTHON, copy_store, python_env, tiny_manifest
 
 pytestmark = pytest.mark.slow
 
 
 def _aotc(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([PYTHON, "-m", "aotc.cli", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([*AOTC_CLI, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=python_env())
 
 

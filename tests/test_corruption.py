@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from aotc.cache import Store
 from aotc.cli import cli
 from aotc.records.program import PROGRAM_ROLE, Program
-from tests.conftest import PYTHON, copy_store, python_env
+from tests.conftest import AOTC_CLI, PYTHON, copy_store, python_env
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,7 @@ def test_aotc_run_refuses_verify_reports_repair_evicts(compiled, tmp_path, damag
     damaged.close()
 
     env = {**python_env(), **env_extra}
-    run = subprocess.run([PYTHON, "-m", "aotc.cli", "--store", str(root), "run", str(manifest),
+    run = subprocess.run([*AOTC_CLI, "--store", str(root), "run", str(manifest),
                           "--sizes", "3", "--json"], capture_output=True, text=True, env=env,
                          timeout=300)
     assert run.returncode == 1, (run.returncode, run.stdout[-500:], run.stderr[-2000:])

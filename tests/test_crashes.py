@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from aotc.cache import Store, verify
-from tests.conftest import PYTHON, python_env, tiny_manifest
+from tests.conftest import AOTC_CLI, PYTHON, python_env, tiny_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
     rng = random.Random(seed)
     manifest = tiny_manifest(tmp_path, "toy-crash")
     root = tmp_path / "store"
-    cmd = [PYTHON, "-m", "aotc.cli", "--store", str(root), "compile", str(manifest)]
+    cmd = [*AOTC_CLI, "--store", str(root), "compile", str(manifest)]
     plan = [name for name, (_m, times, _d) in EVENTS.items() for _ in range(times)]
     rng.shuffle(plan)
     plan += [name for name, (_m, times, _d) in LATE.items() for _ in range(times)]
@@ -109,12 +109,12 @@ def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
     assert total == POINTS
     assert resumed_runs >= 1, "no run resumed the pieces an earlier, killed run had finished"
 
-    final = subprocess.run([PYTHON, "-m", "aotc.cli", "--store", str(root), "compile", str(manifest),
+    final = subprocess.run([*AOTC_CLI, "--store", str(root), "compile", str(manifest),
                             "--json"], capture_output=True, text=True, env=python_env(), timeout=600)
     assert final.returncode == 0, final.stderr[-2000:]
     result = json.loads(final.stdout)
     assert result["hit"] or result["compiles"] + result["resumed"] == 2  # 2 unique pieces
-    run = subprocess.run([PYTHON, "-m", "aotc.cli", "--store", str(root), "run", str(manifest),
+    run = subprocess.run([*AOTC_CLI, "--store", str(root), "run", str(manifest),
                           "--sizes", "1,2,5", "--check-eager", "--json"], capture_output=True,
                          text=True, env=python_env(), timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -19,17 +19,14 @@ from aotc.cli import cli
 from aotc.fleet.remote import RemoteError, S3Remote
 from aotc.fleet.remote_scan import scan_remote, verify_remote
 from aotc.fleet.sync import pull_entry, push_entry
-from tests.conftest import PYTHON, copy_store, python_env
+from tests.conftest import AOTC_CLI, PYTHON, copy_store, python_env, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 def _aotc(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
     """``aotc ARGS`` in a fresh process."""
-    res = subprocess.run([PYTHON, "-m", "aotc.cli", *args], capture_output=True, text=True,
-                         env=python_env(), timeout=timeout)
-    if check:
-        assert res.returncode == 0, res.stderr
+    res = run_cli(*args, timeout=timeout, check=check)
     return res
 
 
@@ -165,7 +162,7 @@ def test_two_concurrent_pushers_of_one_key(compiled, s3, tmp_path: Path) -> None
         sign_entry(Store(root), key, signer)
     url = f"s3://{s3()}/shared"
     remote = S3Remote(url)
-    procs = [subprocess.Popen([PYTHON, "-m", "aotc.cli", "--store", str(root), "push", key,
+    procs = [subprocess.Popen([*AOTC_CLI, "--store", str(root), "push", key,
                                "--to", url, "--json"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=python_env())
              for root in roots]
@@ -190,7 +187,7 @@ def test_interrupted_push_never_publishes_a_partial_entry(compiled, s3) -> None:
     key = results["hf"][1].key
     url = f"s3://{s3()}"
     remote = S3Remote(url)
-    proc = subprocess.Popen([PYTHON, "-m", "aotc.cli", "--store", str(store.root), "push", key,
+    proc = subprocess.Popen([*AOTC_CLI, "--store", str(store.root), "push", key,
                              "--to", url, "-q"], env=python_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60

@@ -22,17 +22,11 @@ from aotc.cache import CacheMiss, StoreNotFoundError
 from aotc.cli import cli
 from aotc.errors import InputError, NumericMismatchError
 from aotc.manifest import load_manifest
-from tests.conftest import HELPERS, POSITION_SHIFT, PYTHON, ROOT, copy_store, hf_manifest, python_env
+from tests.conftest import AOTC_CLI, HELPERS, POSITION_SHIFT, PYTHON, ROOT, copy_store, hf_manifest, python_env
 
 pytestmark = pytest.mark.slow
 
 FIXTURE = ROOT / "tests" / "fixtures" / "serving_models.py"
-
-
-def cli_run(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``aotc ARGS`` in a fresh process."""
-    return subprocess.run([PYTHON, "-m", "aotc.cli", *args], capture_output=True, text=True,
-                          env=env or python_env(), timeout=timeout)
 
 
 def _factory_manifest(tmp: Path, name: str, fn: str, **fields) -> Path:
@@ -204,7 +198,10 @@ def test_out_variant_attention_keeps_the_fast_path_in_a_fresh_process(serving) -
     assert all(e <= 1e-4 for e in report["errs"].values())
     print(f"\nout-variant attention model, fresh process: aotc.load {report['load_s']:.3f}s "
           f"(phases {report['phases']})")
-    runner = aotc.load(manifest, store=store)
+    from aotc.counters import COUNTERS
+
+    with COUNTERS.expect(loads=3, fast_loads=3, cache_hits=1):  # no trace, no compile
+        runner = aotc.load(manifest, store=store)
     logits, hidden = runner(input_ids=torch.arange(6))  # output: [logits, hidden]
     want = runner.eager(input_ids=torch.arange(6))
     assert logits.shape == (6, 64) and hidden.shape == (6, 32)
@@ -310,7 +307,7 @@ def test_serving_from_a_read_only_store(serving, tmp_path) -> None:
     mnt.mkdir()
     index = ro_src / "store-v1" / "index.sqlite"
     before = (index.stat().st_mtime_ns, sorted(p.name for p in index.parent.iterdir()))
-    aotc_cmd = f"{PYTHON} -m aotc.cli --store {mnt}"
+    aotc_cmd = " ".join([*AOTC_CLI, "--store", str(mnt)])
     script = " && ".join([
         "mount --make-rprivate /", f"mount --bind {ro_src} {mnt}", f"mount -o remount,bind,ro {mnt}",
         f"! touch {mnt}/probe 2>/dev/null",  # really read-only

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import aotc
-from tests.conftest import PYTHON, copy_store, python_env, tiny_manifest, toy_manifest
+from tests.conftest import AOTC_CLI, PYTHON, copy_store, python_env, tiny_manifest, toy_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def test_change_is_a_clean_miss_that_explain_names(compiled, tmp_path, change) -
     copy_store(store.root, root)
     manifest, env_extra, factor = change(tmp_path, root)
     env = {**python_env(), **env_extra}
-    base = [PYTHON, "-m", "aotc.cli", "--store", str(root)]
+    base = [*AOTC_CLI, "--store", str(root)]
     run = subprocess.run([*base, "run", str(manifest), "--sizes", "3", "--json"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 1 and run.stdout == "", (run.returncode, run.stdout[-300:], run.stderr[-1500:])

@@ -294,7 +294,7 @@ def compile_piece(
             dst = kernel_root / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(Path(tmp) / rel, dst)
-    _ours["compiles"] += 1
+    _ours.compiles += 1
     return CompiledPiece(artifact, kernel_root, tuple(files), size, key,
                          time.perf_counter() - t0, None if note else out_dir / "wrapper.json", note)
 

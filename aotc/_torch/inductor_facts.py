@@ -187,11 +187,11 @@ def counters_snapshot() -> dict[str, int]:
         ),
         "autograd_cache_hits": int(aot.get("autograd_cache_hit", 0)),
         "autograd_cache_misses": int(aot.get("autograd_cache_miss", 0)),
-        "traces": _ours["traces"],
-        "cache_hits": _ours["cache_hits"],
-        "compiles": _ours["compiles"],
-        "loads": _ours["loads"],
-        "fast_loads": _ours["fast_loads"],
+        "traces": _ours.traces,
+        "cache_hits": _ours.cache_hits,
+        "compiles": _ours.compiles,
+        "loads": _ours.loads,
+        "fast_loads": _ours.fast_loads,
     }
 
 
@@ -200,4 +200,4 @@ def reset_counters() -> None:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    _ours.clear()
+    _ours.reset()

@@ -131,7 +131,7 @@ def load_pieces(
                 raise LoadError(f"{artifact_file}: cannot load compiled artifact ({type(e).__name__}: "
                                 f"{e}); it was built by another torch build (torch_key) or is "
                                 "damaged — recompile it") from e
-            _ours["loads"] += 1
+            _ours.loads += 1
             out.append(_normalized(art))
     return out
 

@@ -40,6 +40,7 @@ import torch.fx
 from aotc.counters import COUNTERS
 from aotc.errors import CaptureError
 from aotc._torch import dynamo
+from aotc.model.state import named_tensors
 
 __all__ = ["ArgSlot", "Captured", "capture", "graph_args"]
 
@@ -304,7 +305,7 @@ def capture(
         raise CaptureError(_describe_model_error(e)) from e
 
     gm = got["gm"]
-    COUNTERS["traces"] += 1
+    COUNTERS.traces += 1
     return Captured(
         gm=gm,
         example_inputs=tuple(got["ex"]),
@@ -347,8 +348,7 @@ def graph_args(
     arg_spec: Sequence[ArgSlot], model: torch.nn.Module, inputs: Sequence[torch.Tensor]
 ) -> list[Any]:
     """Build the captured graph's positional arguments from a live module and user inputs."""
-    state = dict(model.named_parameters(remove_duplicate=False))
-    state.update(model.named_buffers(remove_duplicate=False))
+    state = named_tensors(model)
     args: list[Any] = []
     for slot in arg_spec:
         if slot.kind in ("param", "buffer"):

@@ -19,9 +19,10 @@ from typing import Any
 from aotc._torch import inductor_compile
 from aotc._torch.ops import graph_returns_tuple
 from aotc.cache import workdirs
-from aotc.runtime.checking import compare_runs, model_buffers
+from aotc.runtime.checking import compare_runs
 from aotc.model.build import make_inputs
 from aotc.model.forward import unwrap
+from aotc.model.state import named_buffers, named_tensors
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.records.graphcode import encode_graph
 from aotc.records.key import compute_key
@@ -83,7 +84,7 @@ def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, A
     per_size: dict[str, dict[str, float]] = {}
     failures = []
     tol = manifest.tolerance
-    buffers = model_buffers(unwrap(model))
+    buffers = named_buffers(unwrap(model))
     mutated: set[str] = set()
     for n in check_sizes(manifest):
         if n < runner.program.min_dynamic_tokens and n not in manifest.compile_sizes:
@@ -256,8 +257,7 @@ def _merge_kernels(c: inductor_compile.CompiledPiece, root: Path, seen: set[str]
 
 def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:
     """The ArgSpec, with the shape and dtype each parameter/buffer must have when bound."""
-    state = dict(model.named_parameters(remove_duplicate=False))
-    state.update(model.named_buffers(remove_duplicate=False))
+    state = named_tensors(model)
     out = []
     for s in arg_spec:
         t = state.get(s.fqn) if s.fqn else None

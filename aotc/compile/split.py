@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -171,14 +170,3 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
                     f"piece {p.name} should hold one splitting-op call, has {len(calls)}"
                 )
     return SplitResult(stitch=stitch, pieces=pieces, warnings=warnings)
-
-
-def piece_signature(piece: Piece) -> Sequence[str]:
-    """Short human-readable description of a piece's inputs (for logs / inspect)."""
-    out = []
-    for v in piece.example_inputs:
-        if isinstance(v, torch.Tensor):
-            out.append(f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}")
-        else:
-            out.append(repr(v))
-    return out

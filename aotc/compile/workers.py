@@ -229,7 +229,7 @@ class _Worker:
             if line.startswith("{"):
                 task, c = _from_json(line)
                 if not c.reused:
-                    COUNTERS["compiles"] += 1  # an Inductor compile ran, in the worker
+                    COUNTERS.compiles += 1  # an Inductor compile ran, in the worker
                 self.received += 1
                 self.done(task, c)
 

@@ -27,19 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aotc.errors import BundleError
 from aotc.cache import Store, blobio
 from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
-from aotc.errors import AotcError
 from aotc.fleet.trust import enforce_payload, valid_signatures
 
 RECORD = "aotc-bundle.json"
 MAX_RECORD = 16 << 20
-
-
-class BundleError(AotcError):
-    """A bundle file that cannot be exported or imported as it is (named, with the reason)."""
-
-    exit_code = 1
 
 
 @dataclass(frozen=True)

@@ -22,26 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator
 
-from aotc.cache.errors import AotcError
+from aotc.errors import RemoteError, MissingObject, OversizedObject
 from aotc.settings import ENV, Settings, current, is_remote_url  # noqa: F401 - is_remote_url: re-exported
 
 ENDPOINT_ENV = ENV["s3_endpoint"]  # for messages: the variable is read in aotc.settings
 LAYOUT = "store-v1"
 MAX_RECORD = 16 << 20
-
-
-class RemoteError(AotcError):
-    """A remote store cannot be reached or used, or holds something damaged (named, with the fix)."""
-
-    exit_code = 1
-
-
-class MissingObject(RemoteError):
-    """A remote object that should be there is not."""
-
-
-class OversizedObject(RemoteError):
-    """A remote object is larger than anything aotc writes under that name."""
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from aotc.errors import DamagedRemoteEntry
 from aotc.cache import CacheMiss, Entry, Store, blobio
 from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
 from aotc.progress import Progress
 from aotc.fleet.remote import MissingObject, OversizedObject, RemoteError, S3Remote
 from aotc.fleet.trust import enforce_payload, valid_signatures
-
-
-class DamagedRemoteEntry(RemoteError):
-    """A remote entry's record does not parse or names another key."""
 
 
 MAX_SIGNERS = 64
@@ -54,10 +51,6 @@ class Transfer:
         return {"direction": self.direction, "key": self.key, "name": self.name,
                 "remote": self.remote, "blobs": self.blobs, "blobs_moved": self.blobs_moved,
                 "bytes_moved": self.bytes_moved, "moved": self.moved, "note": self.note}
-
-
-def _digests(entry: Entry) -> dict[str, str]:
-    return {r: b.digest for r, b in entry.blobs.items()}
 
 
 def remote_entry(remote: S3Remote, key: str) -> Entry | None:

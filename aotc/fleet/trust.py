@@ -19,17 +19,12 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from aotc.errors import TrustError
 from aotc.settings import ENV, Settings, current
 from aotc.cache import Entry, Store
 from aotc.errors import AotcError
 
 TRUST_ENV = ENV["trust_keys"]  # for messages: the variable is read in aotc.settings
-
-
-class TrustError(AotcError):
-    """An entry is not signed by a trusted key under the trust policy, or a key is unusable."""
-
-    exit_code = 1
 
 
 def _crypto() -> Any:
@@ -62,11 +57,6 @@ def _private_key(path: Path | str) -> Any:
         return ed.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(Path(path).read_text().strip()))
     except (OSError, ValueError) as e:
         raise TrustError(f"{path}: not a signing key written by `aotc keygen` ({e})") from e
-
-
-def public_key_of(private_key_path: Path | str) -> str:
-    """The public key (hex) of a private key file."""
-    return _private_key(private_key_path).public_key().public_bytes_raw().hex()
 
 
 def sign_entry(store: Store, key: str, private_key_path: Path | str) -> str:

@@ -165,8 +165,7 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
     ``machine`` is ``aotc.lookup.toolchain.machine_factors(...)``."""
     base = base_factors(manifest, machine)
     probe = compute_key(base)
-    rows = store.index.query(  # bad entries too: get() raises for them, so a lookup says why
-        "SELECT key, metadata, factors FROM entries ORDER BY created DESC")
+    rows = store.entry_rows()  # bad entries too: get() raises for them, so a lookup says why
     candidates = []
     corrupt: CorruptedCacheError | None = None
     for row in rows:
@@ -190,7 +189,7 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
         current = full_factors(base, hash_sources(code, manifest))
         if compute_key(current) == cand.key:
             entry = store.get(cand.key, record=record)
-            COUNTERS["cache_hits"] += 1
+            COUNTERS.cache_hits += 1
             return Resolution(probe, entry)
         if newest_miss is None:
             newest_miss = (cand, tuple(explain(cand.factors, current)))
@@ -200,13 +199,12 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
             store.record_miss(cand.key, "; ".join(d.describe() for d in diffs)[:500])
         return Resolution(probe, None, cand, diffs, corrupt)
     # No entry with the same probe: diff against the newest entry of the same name, if any.
-    same_name = store.index.query(
-        "SELECT key FROM entries WHERE name = ? ORDER BY created DESC LIMIT 1", (manifest.name,))
+    same_name = store.newest_key_named(manifest.name)
     closest = None
     diffs: tuple[FactorDiff, ...] = ()
     if same_name:
         try:
-            closest = store.get(same_name[0]["key"], record=False)
+            closest = store.get(same_name, record=False)
             code = closest.factors.get("code", {})
             diffs = tuple(explain(closest.factors, full_factors(base, hash_sources(code, manifest))))
         except (CacheMiss, CorruptedCacheError):

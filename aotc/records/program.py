@@ -76,10 +76,6 @@ class Program:
     output: Any = None  # the manifest's model.output: a field / index, a list of them, or None
     format: int = FORMAT_VERSION
 
-    def artifacts_of(self, uid: str) -> dict[int | None, ArtifactRecord]:
-        """The artifacts of one unique piece by size (None = dynamic)."""
-        return {a.size: a for a in self.artifacts if a.uid == uid}
-
     @property
     def unique_pieces(self) -> list[str]:
         seen: list[str] = []

@@ -85,9 +85,4 @@ def _restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.T
                 b.copy_(snapshot[k])
 
 
-def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every buffer of ``model`` by name (what a stateful forward may write)."""
-    return dict(model.named_buffers(remove_duplicate=False))
-
-
-__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors", "model_buffers"]
+__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors"]

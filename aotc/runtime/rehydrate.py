@@ -34,8 +34,8 @@ def rehydrate(program: Program, files: dict[str, Path], kernel_root: Path,
                                 f"({type(e).__name__}: {e}); set AOTC_LOADER=inductor to load "
                                 "through Inductor, or recompile") from e
             by_uid.setdefault(a.uid, {})[a.size] = fn
-            COUNTERS["loads"] += 1
-            COUNTERS["fast_loads"] += 1
+            COUNTERS.loads += 1
+            COUNTERS.fast_loads += 1
         else:
             slow.append(a)
     if slow:

@@ -18,7 +18,8 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
     import torch
 
     from aotc.model.build import make_named_inputs
-    from aotc.runtime.checking import compare_runs, flat_tensors, model_buffers
+    from aotc.model.state import named_buffers
+    from aotc.runtime.checking import compare_runs, flat_tensors
     from aotc.lookup.stores import as_manifest
     from aotc._torch.inductor_facts import counters_snapshot
     from aotc.runtime.loader import load
@@ -32,7 +33,7 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
     per_size: dict[str, dict[str, Any]] = {}
     worst = 0.0
     first_call: dict[str, Any] | None = None
-    buffers = model_buffers(runner.model) if check_eager else {}
+    buffers = named_buffers(runner.model) if check_eager else {}
     for n in sizes:
         inputs = make_named_inputs(manifest, n, seed=2)
         t = time.perf_counter()

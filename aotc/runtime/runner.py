@@ -14,6 +14,7 @@ import torch
 
 from aotc.model.build import DTYPES
 from aotc.model.forward import pick_output, unwrap
+from aotc.model.state import named_tensors
 from aotc.errors import AotcError, InputError, LoadError, RunError
 from aotc.records.graphcode import GraphProgram
 from aotc.records.program import Program
@@ -103,8 +104,7 @@ class Runner:
         return int(getattr(self._local, "tokens", 0))
 
     def _bind(self, model: torch.nn.Module) -> None:
-        state = dict(model.named_parameters(remove_duplicate=False))
-        state.update(model.named_buffers(remove_duplicate=False))
+        state = named_tensors(model)
         self._bound: list[Any] = []
         for slot in self.program.slots:
             if slot.kind not in ("param", "buffer"):

@@ -1,0 +1,2 @@
+"""``make bench``: the side-by-side benchmarks (run as ``python -m bench.sidebyside`` from the
+repository root)."""
