@@ -333,7 +333,7 @@ def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any],
     (``DamagedRemoteEntry``) when the only candidates are damaged. Under a trust policy a
     candidate's signatures are checked before its source paths are looked at."""
     from aotc.records.key import compute_key
-    from aotc.lookup.resolve import base_factors, full_factors, hash_sources
+    from aotc.lookup.resolve import base_factors, sources_unchanged
     from aotc.fleet.trust import payload_state
 
     base = base_factors(manifest, machine)
@@ -359,7 +359,7 @@ def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any],
                                      trusted) != "trusted":
             untrusted += 1
             continue
-        if compute_key(full_factors(base, hash_sources(code, manifest))) == key:
+        if sources_unchanged(key, code, base, manifest):
             return entry
     if untrusted:
         from aotc.fleet.trust import TrustError

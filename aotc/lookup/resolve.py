@@ -150,12 +150,24 @@ class Resolution:
         return self.entry is not None
 
 
+def current_factors(code: dict[str, str], base: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
+    """The factors an entry recorded with ``code`` (its traced files' hashes) would have if
+    compiled from this manifest now: ``base`` plus those files hashed as they are here."""
+    return full_factors(base, hash_sources(dict(code), manifest))
+
+
+def sources_unchanged(key: str, code: dict[str, str], base: dict[str, Any], manifest: Manifest) -> bool:
+    """Whether the entry ``key``, recorded with ``code``, is what this manifest compiles to now:
+    its key recomputed from the current hashes of its recorded files is ``key`` (the one test a
+    local and a remote lookup share)."""
+    return compute_key(current_factors(code, base, manifest)) == key
+
+
 def _is_current(row: dict[str, Any], base: dict[str, Any], manifest: Manifest) -> bool:
-    """Whether a (damaged) entry row is what this manifest would compile to now: its recorded
-    source files still hash the same. Unreadable factors: assume so (report the damage)."""
+    """:func:`sources_unchanged` for a (damaged) entry row. Unreadable factors: assume so (report
+    the damage)."""
     try:
-        code = json.loads(row["factors"]).get("code", {})
-        return compute_key(full_factors(base, hash_sources(dict(code), manifest))) == row["key"]
+        return sources_unchanged(row["key"], json.loads(row["factors"]).get("code", {}), base, manifest)
     except (TypeError, ValueError, AttributeError):
         return True
 
@@ -185,8 +197,7 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
             continue
     newest_miss: tuple[Entry, tuple[FactorDiff, ...]] | None = None
     for cand in candidates:  # every candidate: servers on older code may share a store
-        code = cand.factors.get("code", {})
-        current = full_factors(base, hash_sources(code, manifest))
+        current = current_factors(cand.factors.get("code", {}), base, manifest)
         if compute_key(current) == cand.key:
             entry = store.get(cand.key, record=record)
             COUNTERS.cache_hits += 1
@@ -205,8 +216,8 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
     if same_name:
         try:
             closest = store.get(same_name, record=False)
-            code = closest.factors.get("code", {})
-            diffs = tuple(explain(closest.factors, full_factors(base, hash_sources(code, manifest))))
+            diffs = tuple(explain(closest.factors,
+                                  current_factors(closest.factors.get("code", {}), base, manifest)))
         except (CacheMiss, CorruptedCacheError):
             closest = None
     if record:
