@@ -147,9 +147,10 @@ def s3(tmp_path_factory):
 
     from tests.helpers.s3server import S3_ENV, s3_server
 
-    saved = {k: os.environ.get(k) for k in [*S3_ENV, "AOTC_S3_ENDPOINT"]}
-    with s3_server(str(tmp_path_factory.mktemp("s3") / "server.log")) as endpoint:
-        os.environ.update(S3_ENV, AOTC_S3_ENDPOINT=endpoint)
+    with s3_server(str(tmp_path_factory.mktemp("s3") / "server.log")) as endpoint, \
+            pytest.MonkeyPatch.context() as env:  # the variables are put back after the session
+        for k, v in {**S3_ENV, "AOTC_S3_ENDPOINT": endpoint}.items():
+            env.setenv(k, v)
         client = boto3.client("s3", endpoint_url=endpoint)
         counter = itertools.count()
 
@@ -160,11 +161,4 @@ def s3(tmp_path_factory):
 
         new_bucket.client = client  # type: ignore[attr-defined]
         new_bucket.endpoint = endpoint  # type: ignore[attr-defined]
-        try:
-            yield new_bucket
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        yield new_bucket

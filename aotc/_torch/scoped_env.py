@@ -12,6 +12,14 @@ from collections.abc import Iterator
 _lock = threading.RLock()  # one scope at a time: the environment is the process's
 
 
+def _apply(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextlib.contextmanager
 def scoped_env(**values: str | None) -> Iterator[None]:
     """Set each ``NAME=value`` (``None``: unset) for the block; every variable is put back as it
@@ -19,15 +27,7 @@ def scoped_env(**values: str | None) -> Iterator[None]:
     with _lock:
         saved = {k: os.environ.get(k) for k in values}
         try:
-            for k, v in values.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            _apply(values)
             yield
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            _apply(saved)
