@@ -332,5 +332,14 @@ def test_serving_from_a_read_only_store(serving, tmp_path) -> None:
           f"first call {run['first_call']['seconds']:.3f}s")
     res = subprocess.run(["unshare", "-m", "sh", "-c", " && ".join([
         "mount --make-rprivate /", f"mount --bind {ro_src} {mnt}", f"mount -o remount,bind,ro {mnt}",
-        f"{aotc_cmd} verify --repair"])], capture_output=True, text=True, env=python_env(), timeout=120)
-    assert res.returncode == 1 and "is read-only: cannot" in res.stderr
+        f"{aotc_cmd} verify --repair; echo rc=$?",
+        f"{aotc_cmd} compile -q {manifest} > {tmp_path}/hit.txt; echo rc=$?",
+        f"{aotc_cmd} compile --force {manifest}; echo rc=$?"])],
+        capture_output=True, text=True, env=python_env(), timeout=120)
+    assert res.stdout.split() == ["rc=1", "rc=0", "rc=1"], res.stdout + res.stderr[-2000:]
+    assert "up to date" in (tmp_path / "hit.txt").read_text()  # a lookup needs no write
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("Error:")]
+    assert errors == [f"Error: store {mnt} is read-only: cannot repair it; use a writable store "
+                      "(--store DIR / AOTC_STORE) for that",
+                      f"Error: store {mnt} is read-only: cannot compile into it; use a writable "
+                      "store (--store DIR / AOTC_STORE) for that"], res.stderr[-2000:]

@@ -18,7 +18,7 @@ from typing import Any
 
 from aotc._torch import inductor_compile
 from aotc._torch.ops import graph_returns_tuple
-from aotc.cache import workdirs
+from aotc.cache import StoreReadOnlyError, workdirs
 from aotc.runtime.checking import compare_runs
 from aotc.model.build import make_inputs
 from aotc.model.forward import unwrap
@@ -123,6 +123,8 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             seconds["lookup"] = time.perf_counter() - t
             return _hit(found.entry, manifest, seconds, store, traces=0)
     seconds["lookup"] = time.perf_counter() - t
+    if store.read_only:  # an up-to-date entry is fine to report; building one is not
+        raise StoreReadOnlyError(str(store.root), "compile into it")
 
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts, uid_of, first_of, warnings = (
