@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from typing import Any
+
 import click
 
 from aotc.cache import maintenance
@@ -12,6 +14,21 @@ from aotc.cli.options import json_option, trust_option
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
 
 _COLUMNS = ("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON DISK", "CREATED", "LAST USED", "HITS")
+
+
+def _entry_table(entries: Any, verbose: bool, remote: bool = False) -> str:
+    """The entries of a local or a remote scan (the same ``EntryInfo`` rows) as one table; a
+    remote store keeps no last use or hits."""
+    columns = (*_COLUMNS[:5], "ON REMOTE", "PUSHED") if remote else _COLUMNS
+    rows = [columns]
+    for e in entries:
+        row = (e.name + (" [BAD]" if e.bad else ""), e.key if verbose else e.key_short,
+               str(e.blob_count), "-" if e.pieces is None else str(e.pieces), e.size_str,
+               e.stored_size_str, e.created_str)
+        rows.append(row if remote else (*row, e.last_used_str, str(e.hits)))
+        if verbose and e.shapes:
+            rows.append(("", "  shapes: " + ", ".join(e.shapes), *[""] * (len(columns) - 2)))
+    return _table(rows)
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
@@ -37,18 +54,7 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
     if as_json:
         print_json(s.to_json())
         return
-    rows = [_COLUMNS]
-    for e in s.entries:
-        name = e.name + (" [BAD]" if e.bad else "")
-        rows.append((name, e.key if verbose else e.key_short, str(e.blob_count),
-                     "-" if e.pieces is None else str(e.pieces), e.size_str, e.stored_size_str,
-                     e.created_str, e.last_used_str, str(e.hits)))
-        if verbose and e.shapes:
-            rows.append(("", "  shapes: " + ", ".join(e.shapes), "", "", "", "", "", "", ""))
-    if s.entries:
-        click.echo(_table(rows))
-    else:
-        click.echo(f"store {s.root} is empty")
+    click.echo(_entry_table(s.entries, verbose) if s.entries else f"store {s.root} is empty")
     click.echo(
         f"\n{len(s.entries)} entries, {s.size_on_disk_str} on disk, {len(s.orphan_blobs)} orphan "
         f"blobs, {s.hits} hits / {s.misses} misses, {len(s.warnings)} warnings ({s.root})"
@@ -64,12 +70,8 @@ def _inspect_remote(app: AppContext, as_json: bool, verbose: bool) -> None:
     if as_json:
         print_json(s.to_json())
         return
-    rows = [("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON REMOTE", "PUSHED")]
-    for e in s.entries:
-        rows.append((e.name + (" [BAD]" if e.bad else ""), e.key if verbose else e.key_short,
-                     str(e.blob_count), "-" if e.pieces is None else str(e.pieces), e.size_str,
-                     e.stored_size_str, e.created_str))
-    click.echo(_table(rows) if s.entries else f"remote store {s.url} is empty")
+    click.echo(_entry_table(s.entries, verbose, remote=True) if s.entries
+               else f"remote store {s.url} is empty")
     click.echo(f"\n{len(s.entries)} entries, {s.blob_count} blobs ({format_size(s.blob_bytes)}), "
                f"{s.orphan_blobs} unreferenced blobs, {len(s.warnings)} warnings ({s.url})")
     for w in s.warnings:
