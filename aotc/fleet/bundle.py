@@ -25,8 +25,8 @@ import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from aotc.records.jsonable import FieldsAsJson
 from aotc.errors import BundleError
 from aotc.cache import Store, blobio
 from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
@@ -37,7 +37,7 @@ MAX_RECORD = 16 << 20
 
 
 @dataclass(frozen=True)
-class BundleResult:
+class BundleResult(FieldsAsJson):
     """What an export or import did."""
 
     key: str
@@ -46,10 +46,6 @@ class BundleResult:
     blobs: int
     bytes: int
     imported: bool = False  # import: False when the store already held the entry
-
-    def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "name": self.name, "path": self.path, "blobs": self.blobs,
-                "bytes": self.bytes, "imported": self.imported}
 
 
 def _info(name: str, size: int) -> tarfile.TarInfo:

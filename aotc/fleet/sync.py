@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from aotc.records.jsonable import FieldsAsJson
 from aotc.errors import DamagedRemoteEntry
 from aotc.cache import CacheMiss, Entry, Store, blobio
 from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
@@ -34,7 +35,7 @@ TRANSFER_THREADS = 8
 
 
 @dataclass(frozen=True)
-class Transfer:
+class Transfer(FieldsAsJson):
     """What a push or pull did (``moved`` False: the other side already had the entry)."""
 
     direction: str
@@ -46,11 +47,6 @@ class Transfer:
     bytes_moved: int
     moved: bool
     note: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"direction": self.direction, "key": self.key, "name": self.name,
-                "remote": self.remote, "blobs": self.blobs, "blobs_moved": self.blobs_moved,
-                "bytes_moved": self.bytes_moved, "moved": self.moved, "note": self.note}
 
 
 def remote_entry(remote: S3Remote, key: str) -> Entry | None:
