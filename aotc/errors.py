@@ -8,12 +8,16 @@ from aotc.cache.errors import (
     AotcError,
     CacheMiss,
     CorruptedCacheError,
+    CorruptedIndexError,
     StoreError,
     StoreLockedError,
+    StoreNotFoundError,
+    StoreReadOnlyError,
 )
 
 __all__ = [
-    "AotcError", "CacheMiss", "CorruptedCacheError", "StoreError", "StoreLockedError",
+    "AotcError", "CacheMiss", "CorruptedCacheError", "CorruptedIndexError", "StoreError",
+    "StoreLockedError", "StoreNotFoundError", "StoreReadOnlyError",
     "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
     "NumericMismatchError", "LoadError", "InputError", "RunError",
     "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "BundleError",

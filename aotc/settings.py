@@ -63,11 +63,6 @@ class Settings:
         """``AOTC_STORE`` names a remote (``s3://…``): it is the store, cached locally."""
         return is_remote_url(self.store)
 
-    @property
-    def remote_url(self) -> str | None:
-        """The remote store in effect: a remote ``AOTC_STORE``, else ``AOTC_REMOTE``."""
-        return self.store if self.store_is_remote else self.remote
-
     def default_store_path(self) -> Path:
         """The local store: ``AOTC_STORE`` (a directory), else ``$XDG_CACHE_HOME/aotc``, else
         ``~/.cache/aotc``."""

@@ -74,12 +74,12 @@ def main() -> None:
 
     torch.set_num_threads(int(cfg["threads"]))
     phases = {"import_torch": time.perf_counter() - t0}
-    from aotc.model.build import build_model, make_inputs
+    from aotc.model.build import build_model, by_name, make_inputs
     from aotc.manifest import load_manifest
 
     m = load_manifest(cfg["manifest"])
     t = time.perf_counter()
-    model = build_model(m)
+    model = by_name(build_model(m), m)  # called as aotc calls it: by the inputs' names
     phases["build_model"] = time.perf_counter() - t
     x = make_inputs(m, int(cfg["first_tokens"]), seed=0)
     mode = cfg["mode"]

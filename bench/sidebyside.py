@@ -1,10 +1,10 @@
 """aotc side by side with eager and torch.compile's own caches, cold and warm, in one run.
 
-    python bench/sidebyside.py            # full: toy-llama 8 layers x 5 compile sizes, 3 runs
+    python -m bench.sidebyside            # full (from the repository root): toy-llama 8 layers x 5 compile sizes, 3 runs
                                           # each, plus compile scaling (2/8/32 layers at 1 size;
                                           # 1/5/10 sizes at 8 layers)
-    python bench/sidebyside.py --quick    # <= 3 min: 2 layers, 1 compile size, 1 run each
-    python bench/sidebyside.py --runs 1 --layers 2 --sizes 1 --no-scaling --out DIR
+    python -m bench.sidebyside --quick    # <= 3 min: 2 layers, 1 compile size, 1 run each
+    python -m bench.sidebyside --runs 1 --layers 2 --sizes 1 --no-scaling --out DIR
 
 Every start is a fresh interpreter (bench/child.py) timed from its spawn to its first output
 tensor, with the same model, weights, first input (7 tokens) and thread count. Contenders:

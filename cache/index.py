@@ -14,6 +14,7 @@ on their own, which would end our transaction early).
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -26,6 +27,14 @@ import sqlite_utils
 from aotc.cache.errors import CorruptedIndexError, StoreError, StoreLockedError, StoreReadOnlyError
 
 SCHEMA_VERSION = 1
+
+
+def _on_read_only_volume(path: Path) -> bool:
+    """Whether ``path`` lies on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(path.parent).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
 
 
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
@@ -53,20 +62,28 @@ class Index:
             raise
 
     def _open_read_only(self) -> None:
-        """``mode=ro`` reads a WAL index whose side files exist; on a read-only volume they
-        cannot be made, and ``immutable=1`` (no locks, no WAL: the volume cannot change under
-        us) is what sqlite offers."""
+        """``mode=ro`` (with sqlite's usual locking: another process may write the store) reads a
+        WAL index whose side files exist or can be made. Only on a read-only *volume*, where they
+        cannot, is it opened ``immutable`` (no locks, no WAL: nothing can change under us) — and
+        not when an unapplied WAL would then be ignored."""
         from urllib.parse import quote
 
-        base = "file:" + quote(str(self.path.resolve()))
-        for uri in (base + "?mode=ro", base + "?immutable=1"):
-            self._uri = uri
-            try:
-                self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-                return
-            except sqlite3.OperationalError:
-                self.close()
-        raise StoreError(f"cannot open the read-only store index {self.path}")
+        self._uri = "file:" + quote(str(self.path.resolve())) + "?mode=ro"
+        try:
+            self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return
+        except sqlite3.OperationalError as exc:
+            self.close()
+            if "unable to open" not in str(exc) or not _on_read_only_volume(self.path):
+                raise
+        wal = self.path.with_name(self.path.name + "-wal")
+        if wal.exists() and wal.stat().st_size > 0:
+            raise StoreError(f"store index {self.path} is on a read-only volume with an unapplied "
+                             f"write-ahead log ({wal.name}) and no shared-memory file: checkpoint "
+                             "it before making the volume read-only (`sqlite3 index.sqlite "
+                             "'PRAGMA wal_checkpoint(TRUNCATE)'`)")
+        self._uri += "&immutable=1"
+        self.conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
 
     # -- connection -------------------------------------------------------------------------
     @property

@@ -161,6 +161,8 @@ def verify_at(root: str | os.PathLike[str], repair: bool = False,
         finally:
             store.close()
     except CorruptedIndexError as exc:
+        if repair and not os.access(Path(exc.path).parent, os.W_OK):
+            raise StoreReadOnlyError(str(root), "repair it") from exc
         if not repair:
             problem = Problem(None, None, None, None, "index-corrupt", exc.problem)
             return VerifyReport(0, 0, 0, (problem,), (), index_problem=exc.problem)

@@ -99,7 +99,8 @@ class Store:
         exists = self.index_path.is_file()
         if not exists and not create:
             raise StoreNotFoundError(str(self.root))
-        self.read_only = exists and not os.access(self.base, os.W_OK)
+        self.read_only = exists and not (os.access(self.base, os.W_OK)
+                                         and os.access(self.index_path, os.W_OK))
         if self.read_only:
             if str(self.root) not in _ANNOUNCED_READ_ONLY:
                 _ANNOUNCED_READ_ONLY.add(str(self.root))

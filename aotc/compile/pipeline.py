@@ -90,7 +90,7 @@ def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, A
         if n < runner.program.min_dynamic_tokens and n not in manifest.compile_sizes:
             continue
         inputs = make_inputs(manifest, n, seed=1)
-        c = compare_runs(lambda: runner(*inputs), lambda: model(*inputs), buffers, tol.atol, tol.rtol)
+        c = compare_runs(runner, model, inputs, buffers, tol.atol, tol.rtol)
         mutated |= c.mutated
         failures += [f"{n} tokens, {f}" for f in c.failures]
         per_size[str(n)] = {"max_abs_err": c.max_abs_err, "max_rel_err": c.max_rel_err}

@@ -21,7 +21,7 @@ from typing import Any
 from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
 from aotc.counters import COUNTERS
 from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
-from aotc.manifest import Manifest, factory_path, thaw
+from aotc.manifest import Manifest, thaw
 from aotc.lookup.filehash import file_sha256
 from aotc.lookup.toolchain import codegen_env
 
@@ -29,7 +29,7 @@ from aotc.lookup.toolchain import codegen_env
 # aotc's own modules whose logic shapes the artifacts (capture, split, compile settings), by
 # dotted name: a module that moves changes its name, and so the hash, on purpose.
 _COMPILE_LOGIC = ("aotc.compile.capture", "aotc.compile.split", "aotc.compile.pieces",
-                  "aotc.records.graphcode", "aotc._torch.dynamo", "aotc._torch.ops",
+                  "aotc.model.build", "aotc.records.graphcode", "aotc._torch.dynamo", "aotc._torch.ops",
                   "aotc._torch.inductor_compile", "aotc._torch.inductor_load",
                   "aotc._torch.inductor_facts", "aotc._torch.wrapper")
 
@@ -88,8 +88,12 @@ def full_factors(base: dict[str, Any], code: dict[str, str]) -> dict[str, Any]:
 def locate_source(rel: str, manifest: Manifest) -> Path | None:
     """Find the file a recorded relative source path names, on this machine (None if absent)."""
     factory_file = manifest.model.factory_file
-    if factory_file is not None and rel == Path(factory_file).name:
-        return Path(factory_file)
+    if factory_file is not None:
+        if rel == Path(factory_file).name:
+            return Path(factory_file)
+        beside = Path(factory_file).parent / rel  # a sibling module the factory file imports
+        if beside.is_file():
+            return beside
     if rel.endswith(".py"):
         dotted = rel[:-3].replace("/", ".").removesuffix(".__init__")
         mod = sys.modules.get(dotted)
@@ -128,10 +132,9 @@ def _in_top_package(rel: str) -> Path | None:
 def hash_sources(recorded: dict[str, str], manifest: Manifest) -> dict[str, str]:
     """Current sha256 of each recorded source file ("missing" when it cannot be found)."""
     out = {}
-    with factory_path(manifest):  # a factory file's sibling modules are found beside it
-        for rel in recorded:
-            path = locate_source(rel, manifest)
-            out[rel] = "missing" if path is None else file_sha256(path)
+    for rel in recorded:
+        path = locate_source(rel, manifest)
+        out[rel] = "missing" if path is None else file_sha256(path)
     return out
 
 

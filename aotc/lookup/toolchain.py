@@ -4,7 +4,8 @@ Inductor (1.2 s of the 1.7 s they cost to compute here).
 The memo is a JSON file under ``<store>/store-v1/toolchain/`` named by a fingerprint of every
 input the factors are derived from: interpreter, torch's install (version, path, mtimes of the
 files ``torch_key`` hashes change with), triton's install, the C++ compiler binary, the CPU's
-model and flags, the code-changing TORCHINDUCTOR_* variables and the host. Any change gives a new fingerprint and
+model and flags, the code-changing TORCHINDUCTOR_* variables (not the host name: replicas of
+one image share a memo, and everything the facts depend on is in the fingerprint). Any change gives a new fingerprint and
 the factors are computed afresh; a CUDA device's GPU fields are always read live.
 """
 
@@ -16,7 +17,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,7 +69,6 @@ def fingerprint(device: str) -> str:
         "cxx": [cxx, *_stat(shutil.which(cxx))],
         "cpu": _cpu_identity(),
         "env": codegen_env(),  # not the cache dir: one memo serves every Inductor cache dir
-        "host": socket.gethostname(),
         "device": device.split(":")[0],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from aotc.errors import ModelBuildError
+from aotc.errors import ManifestError, ModelBuildError
 from aotc.model.forward import ByName, unwrap
 from aotc.manifest import InputSpec, Manifest, factory_path, thaw
 
@@ -87,13 +88,24 @@ def _build_hf(manifest: Manifest) -> torch.nn.Module:
         config = config_cls(**thaw(hf.config))
         config._attn_implementation = "sdpa"
         torch.manual_seed(manifest.model.seed)
-        if weights is not None and Path(weights).is_dir():
-            model = cls.from_pretrained(str(weights), config=config, dtype=dtype)
+        kw = {_dtype_keyword(transformers): dtype}
+        if weights is not None and Path(weights).is_dir():  # safetensors only, nothing downloaded
+            model = cls.from_pretrained(str(weights), config=config, use_safetensors=True,
+                                        local_files_only=True, **kw)
         else:
-            model = cls._from_config(config, dtype=dtype)
+            model = cls._from_config(config, **kw)
     except Exception as e:  # noqa: BLE001
         raise ModelBuildError(f"{where}: building {hf.architecture} failed: {type(e).__name__}: {e}") from e
     return model
+
+
+def _dtype_keyword(transformers: Any) -> str:
+    """``dtype`` (transformers >= 4.56) or ``torch_dtype`` (older) for ``from_pretrained``."""
+    try:
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    except ValueError:
+        return "dtype"
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 def _load_weights(manifest: Manifest, model: torch.nn.Module) -> None:
@@ -119,8 +131,23 @@ def _load_weights(manifest: Manifest, model: torch.nn.Module) -> None:
 
 
 def by_name(model: torch.nn.Module, manifest: Manifest) -> ByName:
-    """``model`` (the user's module, or one already wrapped) called as the manifest declares."""
-    return ByName(unwrap(model), [s.name for s in manifest.inputs], manifest.model.output)
+    """``model`` (the user's module, or one already wrapped) called as the manifest declares;
+    an input name its forward has no parameter for is a ``ManifestError`` naming both."""
+    inner = unwrap(model)
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):  # a builtin forward: nothing to check against
+        params = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                         inspect.Parameter.KEYWORD_ONLY)}
+    for i, spec in enumerate(manifest.inputs):
+        if params and not takes_any and spec.name not in named:
+            raise ManifestError(str(manifest.path or "<manifest>"), f"inputs[{i}].name",
+                                f"{type(inner).__name__}.forward has no parameter {spec.name!r} "
+                                f"(it takes {', '.join(params) or 'nothing'}); inputs are passed "
+                                "by name")
+    return ByName(inner, [s.name for s in manifest.inputs], manifest.model.output)
 
 
 def build_model(manifest: Manifest) -> torch.nn.Module:

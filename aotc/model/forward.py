@@ -5,6 +5,7 @@ This file is traced with every model (it is in the ``code`` key factor), so it i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -34,9 +35,9 @@ def pick_output(out: Any, output: str | int | Sequence[str | int] | None) -> Any
         return out
     if isinstance(output, (list, tuple)):
         return tuple(pick_output(out, o) for o in output)
-    if isinstance(output, int):
+    if isinstance(output, int) or isinstance(out, Mapping):  # a dict / ModelOutput: by key
         return out[output]
-    return getattr(out, output) if hasattr(out, output) else out[output]
+    return getattr(out, output)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

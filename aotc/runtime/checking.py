@@ -9,6 +9,8 @@ as outputs too, and the snapshot is restored afterwards.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -40,26 +42,35 @@ def _errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float, float
     if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) \
             or got.shape != want.shape:
         return float("inf"), float("inf"), False
-    diff = (got.float() - want.float()).abs()
+    g, w = got.float(), want.float()
+    diff = (g - w).abs().nan_to_num(0.0)  # NaN where both are NaN counts as equal (equal_nan)
     abs_err = float(diff.max()) if diff.numel() else 0.0
-    rel_err = float((diff / want.float().abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
-    return abs_err, rel_err, bool(torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol))
+    rel_err = float((diff / w.abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
+    return abs_err, rel_err, bool(torch.allclose(g, w, atol=atol, rtol=rtol, equal_nan=True))
 
 
-def compare_runs(compiled: Callable[[], Any], eager: Callable[[], Any],
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Every element equal, NaN equal to NaN (an uninitialised buffer may hold NaNs)."""
+    return bool(torch.equal(a, b) or (a.dtype.is_floating_point and a.shape == b.shape
+                                      and torch.equal(a.nan_to_num(), b.nan_to_num())))
+
+
+def compare_runs(compiled: Callable[..., Any], eager: Callable[..., Any], inputs: Sequence[Any],
                  buffers: Mapping[str, torch.Tensor], atol: float, rtol: float) -> Comparison:
-    """Run ``eager`` and ``compiled`` (no arguments: bind the inputs) from the same snapshot of
-    ``buffers`` and compare their outputs and the buffers either one changed. The buffers are
-    back at the snapshot afterwards."""
+    """Run ``eager(*inputs)`` and ``compiled(*inputs)`` from the same state — the same snapshot
+    of ``buffers`` and each on its own copy of the tensor inputs — and compare their outputs,
+    the buffers either one changed and the inputs either one wrote into. The buffers are back at
+    the snapshot afterwards."""
     snapshot = {k: b.clone() for k, b in buffers.items()}
+    theirs, mine = _copies(inputs), _copies(inputs)
     result = Comparison()
     with torch.no_grad():
         try:
-            want = flat_tensors(eager())
-            eager_state = {k: b.clone() for k, b in buffers.items() if not torch.equal(b, snapshot[k])}
-            _restore(buffers, snapshot)
-            got = flat_tensors(compiled())
-            changed = {k for k, b in buffers.items() if not torch.equal(b, snapshot[k])}
+            want = flat_tensors(eager(*theirs))
+            eager_state = {k: b.clone() for k, b in buffers.items() if not same(b, snapshot[k])}
+            restore(buffers, snapshot)
+            got = flat_tensors(compiled(*mine))
+            changed = {k for k, b in buffers.items() if not same(b, snapshot[k])}
             pairs: list[tuple[str, Any, Any]] = [
                 (f"output {i}", g, w) for i, (g, w) in enumerate(zip(got, want))]
             if len(got) != len(want):
@@ -67,8 +78,11 @@ def compare_runs(compiled: Callable[[], Any], eager: Callable[[], Any],
             result.mutated = changed | set(eager_state)
             pairs += [(f"buffer {k!r}", buffers[k].clone(), eager_state.get(k, snapshot[k]))
                       for k in sorted(result.mutated)]
+            pairs += [(f"input {i} (written in place)", m, t)
+                      for i, (x, m, t) in enumerate(zip(inputs, mine, theirs))
+                      if isinstance(x, torch.Tensor) and not (same(m, x) and same(t, x))]
         finally:
-            _restore(buffers, snapshot)
+            restore(buffers, snapshot)
     for what, g, w in pairs:
         abs_err, rel_err, ok = _errors(g, w, atol, rtol)
         result.max_abs_err = max(result.max_abs_err, abs_err)
@@ -78,11 +92,27 @@ def compare_runs(compiled: Callable[[], Any], eager: Callable[[], Any],
     return result
 
 
-def _restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
+def _copies(inputs: Sequence[Any]) -> list[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+@contextlib.contextmanager
+def kept(buffers: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """The block may run the model (warm-up, graph capture): the buffers it writes (a KV cache)
+    are put back as they were, however the block ends."""
+    snapshot = {k: b.clone() for k, b in buffers.items()}
+    try:
+        yield
+    finally:
+        restore(buffers, snapshot)
+
+
+def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Tensor]) -> None:
+    """Put every buffer back to its snapshot (those that changed)."""
     with torch.no_grad():
         for k, b in buffers.items():
-            if not torch.equal(b, snapshot[k]):
+            if not same(b, snapshot[k]):
                 b.copy_(snapshot[k])
 
 
-__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors"]
+__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors", "kept", "restore", "same"]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aotc.errors import LoadError
+from aotc.runtime.checking import kept
 
 if TYPE_CHECKING:
     from aotc.runtime.runner import Runner
@@ -96,7 +97,7 @@ class GraphSet:
         self.sizes: list[int] = []
         self.report = GraphReport(mode)
         self._lock = threading.Lock()
-        self._state: tuple[str, int] | None = None  # ("capture" | "replay", size) while running
+        self._local = threading.local()  # per thread: ("capture" | "replay", size) while running
         self._pieces: dict[tuple[str, int], _Captured] = {}
         self._full: dict[int, tuple[_Captured, list[torch.Tensor]]] = {}
         self._stable: set[int] = {t.data_ptr() for t in runner.bound_tensors()}
@@ -117,16 +118,16 @@ class GraphSet:
                 captured.graph.replay()
                 out = captured.outputs
             else:
-                self._state = ("replay", c)
+                self._local.state = ("replay", c)
                 try:
                     out = self.runner.run_at(padded, c)
                 finally:
-                    self._state = None
+                    self._local.state = None
             return _slice(out, n, c)
 
     def piece(self, name: str, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         """Run compiled piece ``name``: plainly, or capture / replay its graph for this size."""
-        state = self._state
+        state = getattr(self._local, "state", None)
         if state is None:
             return fn(*args)
         kind, c = state
@@ -164,11 +165,11 @@ class GraphSet:
             self._full[c] = (_Captured(graph, static_inputs, out), static_inputs)
             self.report.graphs += 1
         else:
-            self._state = ("capture", c)
+            self._local.state = ("capture", c)
             try:
                 self.runner.run_at(inputs, c)
             finally:
-                self._state = None
+                self._local.state = None
         self.sizes.append(c)
         got = _as_list(self.run(inputs, c, c))
         for g, w in zip(got, want):
@@ -212,11 +213,22 @@ class GraphedRunner:
     largest capture size replays its graphs, any other runs the runner plainly. Everything else
     (``program``, ``model``, ``eager``, ``warmup``, ``timings`` …) is the runner's."""
 
+    _OWN = ("runner", "graphs")
+
     def __init__(self, runner: Runner, graphs: GraphSet) -> None:
-        self.runner, self.graphs = runner, graphs
+        object.__setattr__(self, "runner", runner)
+        object.__setattr__(self, "graphs", graphs)
 
     def __getattr__(self, name: str) -> Any:
+        if name in self._OWN or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self.runner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # the runner's state (timings, model …) stays in one place
+            setattr(self.runner, name, value)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs, n = self.runner.prepare(args, kwargs)
@@ -243,18 +255,22 @@ def capture(runner: Runner, mode: str, sizes: Sequence[int], graph_cls: type = C
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     before = torch.cuda.memory_reserved() if cuda else 0
     t = time.perf_counter()
+    if runner.piece_hook is not None:
+        raise LoadError("this runner's pieces are already captured into CUDA graphs; load it "
+                        "again to capture another set")
     runner.piece_hook = graphs.piece  # the pieces route through it from here on
-    for c in servable:
-        try:
-            graphs.capture_size(c)
-        except LoadError:
-            runner.piece_hook = None
-            raise
-        except Exception as e:  # noqa: BLE001 - a capture error must name the size and the fix
-            runner.piece_hook = None
-            raise LoadError(f"capturing {mode} CUDA graphs at {c} tokens failed "
-                            f"({type(e).__name__}: {e}); use `cudagraph: piecewise` (attention "
-                            "eager) or `none`") from e
+    with kept(runner.bound_buffers()):  # capture runs the model: its state (a KV cache) is kept
+        for c in servable:
+            try:
+                graphs.capture_size(c)
+            except LoadError:
+                runner.piece_hook = None
+                raise
+            except Exception as e:  # noqa: BLE001 - a capture error must name the size and the fix
+                runner.piece_hook = None
+                raise LoadError(f"capturing {mode} CUDA graphs at {c} tokens failed "
+                                f"({type(e).__name__}: {e}); use `cudagraph: piecewise` "
+                                "(attention eager) or `none`") from e
     if cuda:
         torch.cuda.synchronize()
     graphs.report.seconds = time.perf_counter() - t

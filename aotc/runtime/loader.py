@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc.model.build import build_model
-from aotc.cache import CacheMiss, Entry, Store
+from aotc.cache import CacheMiss, Entry, Store, StoreReadOnlyError
 from aotc.lookup.stores import as_manifest, open_store, split_store
 from aotc.errors import LoadError
 from aotc.manifest import Manifest
@@ -53,6 +53,8 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
         return res.entry
     if res.corrupt is not None:  # the entry for this machine exists but is damaged: say that
         raise res.corrupt
+    if remote is not None and store.read_only:
+        raise StoreReadOnlyError(str(store.root), f"pull {manifest.name} into it from {remote.url}")
     if remote is not None:  # pull-through: fetch it, verified, into the local store, then load
         from aotc.progress import Progress
         from aotc.fleet.sync import pull_for_manifest

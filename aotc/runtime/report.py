@@ -46,7 +46,7 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
         entry: dict[str, Any] = {"seconds": seconds, "shape": list(out[0].shape),
                                  "graph_size": graphs.serves(n) if graphs else None}
         if check_eager:  # from the state the call above started from (a KV cache: again)
-            c = compare_runs(lambda: runner(**inputs), lambda: runner.eager(**inputs), buffers,
+            c = compare_runs(runner, runner.eager, list(inputs.values()), buffers,
                              manifest.tolerance.atol, manifest.tolerance.rtol)
             entry["max_abs_err"] = c.max_abs_err
             entry["ok"] = c.ok

@@ -13,8 +13,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from aotc.model.build import DTYPES
-from aotc.model.forward import pick_output, unwrap
+from aotc.model.forward import ByName, unwrap
 from aotc.model.state import named_tensors
+from aotc.runtime.checking import kept
 from aotc.errors import AotcError, InputError, LoadError, RunError
 from aotc.records.graphcode import GraphProgram
 from aotc.records.program import Program
@@ -42,6 +43,8 @@ class _CompiledPiece:
         try:
             out = fn(*args) if hook is None else hook(self.name, fn, args)
         except RuntimeError as e:  # a kernel's own check (an index out of range, ...)
+            if type(e) is not RuntimeError:  # out of memory and the like: the caller's to handle
+                raise
             raise self.runner.kernel_error(self, n, e) from e
         out = out if isinstance(out, (list, tuple)) else (out,)
         return out if self.returns_tuple else out[0]
@@ -76,6 +79,8 @@ class Runner:
     """``runner(*inputs)`` or ``runner(name=tensor, …)``: the compiled model, bound to ``model``'s
     parameters and buffers (by their names in ``model``: the server's own module, e.g. what
     ``transformers`` returns). Returns the declared output (a tuple when several are declared)."""
+
+    graphs: Any = None  # no CUDA graphs (a GraphedRunner around it has them)
 
     def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
                  model: torch.nn.Module, key: str = "", timings: Timings | None = None) -> None:
@@ -195,7 +200,8 @@ class Runner:
         inputs = getattr(self._local, "inputs", None) or ()
         for t, spec in zip(inputs, self.program.inputs):
             high, low = spec.get("high"), spec.get("low") or 0
-            if high is None or t.dtype.is_floating_point or t.dtype == torch.bool or not t.numel():
+            if high is None or t.dtype.is_floating_point or t.dtype == torch.bool or not t.numel() \
+                    or t.device.type != "cpu":  # a device's error state: do not touch it again
                 continue
             lo, hi = int(t.min()), int(t.max())
             if lo < low or hi >= high:
@@ -204,6 +210,10 @@ class Runner:
                                   f"(the manifest's low/high); piece {piece.name} ({n} tokens) "
                                   f"failed: {text}")
         return RunError(f"piece {piece.name} (unique piece {piece.uid[:8]}, {n} tokens) failed: {text}")
+
+    def bound_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers the program reads (and may write: a KV cache), by name."""
+        return {str(s.fqn): t for s, t in zip(self.program.slots, self._bound) if s.kind == "buffer"}
 
     def bound_tensors(self) -> list[torch.Tensor]:
         """The model's parameters and buffers the program reads (fixed addresses)."""
@@ -225,15 +235,9 @@ class Runner:
             dyn = [n for n in range(max(2, self.program.min_dynamic_tokens), self.program.max_tokens + 1)
                    if n not in self.program.compile_sizes][:1]
             sizes = [*self.program.compile_sizes, *dyn]
-        buffers = [t for t, s in zip(self._bound, self.program.slots) if s.kind == "buffer"]
-        saved = [b.clone() for b in buffers]
-        try:
+        with kept(self.bound_buffers()):
             for n in sizes:
                 self.run_at(self.dummy_inputs(int(n)), int(n))
-        finally:
-            with torch.no_grad():
-                for b, v in zip(buffers, saved):
-                    b.copy_(v)
         seconds = time.perf_counter() - t0
         self.timings.add("warmup", seconds)
         return seconds
@@ -241,10 +245,8 @@ class Runner:
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The bound model itself, called as the program is (by name, declared output picked):
         the reference a compiled call is compared with."""
-        inputs = self.arrange(args, kwargs)
         with torch.no_grad():
-            out = self.model(**dict(zip(self.input_names, inputs)))
-        return pick_output(out, self.program.output)
+            return ByName(self.model, self.input_names, self.program.output)(*self.arrange(args, kwargs))
 
     def prepare(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list[Any], int]:
         """A call's inputs in the program's order, contiguous (a strided view such as
