@@ -57,7 +57,7 @@ def main() -> None:
             continue
         model, eager = runner.model, runner.eager  # eager: the bound model, called by name
         entry = {"load_s": time.perf_counter() - t, "phases": runner.timings.phases,
-                 "graphs": None if getattr(runner, "graphs", None) is None else runner.graphs.report.to_json(),
+                 "graphs": None if runner.graphs is None else runner.graphs.report.to_json(),
                  "ms": {}}
         for n in sizes:
             entry["ms"][str(n)] = latency_ms(runner, make_inputs(m, n, seed=n), args.iters)

@@ -71,8 +71,6 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
     if res.closest is not None:
         why = f"; the closest stored entry, key {res.closest.key[:16]}… ({res.closest.name}), differs"
         why += (" in " + ", ".join(d.path for d in res.diffs[:4])) if res.diffs else ""
-    elif res.diffs:
-        why = "; differs from the closest entry in " + ", ".join(d.path for d in res.diffs[:4])
     changed = [d.path.removeprefix("code.") for d in res.diffs if d.path.startswith("code.")]
     if changed:
         why += f" (changed source file: {', '.join(changed[:3])})"

@@ -29,7 +29,7 @@ def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = N
     t = time.perf_counter()
     runner = load(manifest, store=store, trust=trust, remote=remote)
     load_seconds = time.perf_counter() - t
-    graphs = getattr(runner, "graphs", None)  # a GraphedRunner's (CUDA graphs captured)
+    graphs = runner.graphs  # None unless CUDA graphs were captured (a GraphedRunner)
     per_size: dict[str, dict[str, Any]] = {}
     worst = 0.0
     first_call: dict[str, Any] | None = None
