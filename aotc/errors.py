@@ -19,7 +19,7 @@ __all__ = [
     "AotcError", "CacheMiss", "CorruptedCacheError", "CorruptedIndexError", "StoreError",
     "StoreLockedError", "StoreNotFoundError", "StoreReadOnlyError",
     "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
-    "NumericMismatchError", "LoadError", "InputError", "RunError",
+    "NumericMismatchError", "LoadError", "InputError", "RunError", "BackendError", "VllmError",
     "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "BundleError",
 ]
 
@@ -74,6 +74,16 @@ class InputError(AotcError):
 
 class RunError(AotcError):
     """A compiled piece failed while running (a kernel's own check); names the piece and size."""
+
+
+class BackendError(AotcError):
+    """The ``torch.compile`` backend cannot key, compile or load the graph Dynamo handed it (a
+    constant with no stable spelling, a bad ``aotc.backend(...)`` argument)."""
+
+
+class VllmError(AotcError):
+    """A manifest's ``vllm`` model could not be compiled with the vLLM engine (vLLM missing, the
+    engine failed to start)."""
 
 
 class RemoteError(AotcError):

@@ -11,6 +11,8 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_TRUST_KEYS`` | ``trust_keys`` | trusted public keys (hex, or files holding one; comma or space separated): a policy for every load, import and pull |
 | ``AOTC_LOADER`` | ``loader`` | ``inductor``: load every piece through ``CompiledArtifact.load`` instead of the fast path |
 | ``AOTC_PROGRESS`` | ``progress`` | ``1``: draw progress (pull-through transfers) even when stderr is not a terminal |
+| ``AOTC_SPLITTING_OPS`` | ``splitting_ops`` | the ``torch.compile`` backend's splitting ops (comma separated; default: vLLM's attention ops, aten SDPA, ``aotc::attention``) |
+| ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 __all__ = ["ENV", "Settings", "current", "is_remote_url"]
 
 ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
-       "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS"}
+       "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS",
+       "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -42,6 +45,8 @@ class Settings:
     loader: str = "fast"
     progress: bool = False
     cache_home: Path | None = None  # $XDG_CACHE_HOME: where the default store lives
+    splitting_ops: str | None = None  # as written; parsed by aotc.backend.config
+    compile_sizes: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -56,6 +61,7 @@ class Settings:
             loader="inductor" if loader == "inductor" else "fast",
             progress=(text["progress"] or "0").lower() not in ("0", "", "false", "no"),
             cache_home=Path(xdg).expanduser() if xdg else None,
+            splitting_ops=text["splitting_ops"], compile_sizes=text["compile_sizes"],
         )
 
     @property

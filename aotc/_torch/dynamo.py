@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["dynamo_error", "mark", "supports_shape_id", "symbol_key", "symbol_range",
+__all__ = ["dynamo_error", "mark", "outside_trace", "serializable_callable_base", "supports_shape_id",
+           "symbol_key", "symbol_range", "symint_hint",
            "trace_fullgraph", "traced_code"]
 
 
@@ -100,3 +101,38 @@ def symbol_range(size: torch.SymInt) -> tuple[int, int | None] | None:
     if vr is None:
         return None
     return _as_int(vr.lower) or 0, _as_int(vr.upper)
+
+
+def serializable_callable_base() -> type:
+    """torch's ``SerializableCallable`` (``torch._dynamo.aot_compile_types``, torch >= 2.10):
+    what a backend must return for ``torch.compile(...).aot_compile`` and vLLM's AOT path to save
+    its result; ``object`` on a torch without it."""
+    try:
+        from torch._dynamo.aot_compile_types import SerializableCallable
+    except ImportError:
+        return object
+    return SerializableCallable  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def outside_trace() -> Any:
+    """Run the block as if no Dynamo trace were in progress (a backend's own compiles and eager
+    runs must not pick up the tracing context's fake mode)."""
+    from torch._guards import tracing
+
+    with tracing(None):
+        yield
+
+
+def symint_hint(size: Any) -> int | None:
+    """The concrete value a backed size symbol had when traced (its hint), or None."""
+    if not isinstance(size, torch.SymInt):
+        return _as_int(size)
+    node = size.node
+    hint = getattr(node, "hint", None)
+    if hint is not None:
+        return _as_int(hint)
+    try:
+        return _as_int(node.shape_env.size_hint(node.expr))
+    except Exception:  # noqa: BLE001 - unbacked: no hint
+        return None

@@ -131,8 +131,8 @@ def _sc_module() -> Any:
     return importlib.import_module("torch._inductor.standalone_compile")
 
 
-def _concrete(x: Any, size: int) -> Any:
-    """An int for a symbolic size (every free symbol is the token size)."""
+def concrete_size(x: Any, size: int) -> int:
+    """An int for a (possibly symbolic) size, every free symbol taken as the token size."""
     if isinstance(x, torch.SymInt):
         expr = x.node.expr
         return int(expr.subs({s: size for s in expr.free_symbols}))
@@ -148,14 +148,14 @@ def static_example_inputs(example_inputs: Sequence[Any], size: int) -> list[Any]
     out: list[Any] = []
     for v in example_inputs:
         if isinstance(v, torch.Tensor):
-            shape = [_concrete(s, size) for s in v.shape]
-            stride = [_concrete(s, size) for s in v.stride()]
+            shape = [concrete_size(s, size) for s in v.shape]
+            stride = [concrete_size(s, size) for s in v.stride()]
             t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
             if not (v.dtype.is_floating_point or v.dtype.is_complex):
                 t.zero_()
             out.append(t)
         elif isinstance(v, torch.SymInt):
-            out.append(_concrete(v, size))
+            out.append(concrete_size(v, size))
         else:
             out.append(v)
     return out
@@ -240,6 +240,15 @@ def piece_cache_key(
     return _fallback_key(gm, inputs, tag + json.dumps(options, sort_keys=True, default=str))
 
 
+def _is_restart(e: BaseException) -> bool:
+    """Whether ``e`` is Dynamo's ``RestartAnalysis`` (e.g. ``TensorifyScalarRestartAnalysis``)."""
+    try:
+        from torch._dynamo.exc import RestartAnalysis
+    except ImportError:
+        return False
+    return isinstance(e, RestartAnalysis)
+
+
 def _options_digest(options: dict[str, Any]) -> str:
     blob = json.dumps(options, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -252,8 +261,13 @@ def compile_piece(
     out_dir: Path,
     options: dict[str, Any] | None = None,
     tmp_root: Path | None = None,
+    real_inputs: dict[int, Any] | None = None,
 ) -> CompiledPiece:
     """Compile one piece with Inductor and save it under ``out_dir``.
+
+    ``real_inputs``: real values for some input positions (a graph input of fixed shape: a
+    weight, vLLM's prepacked oneDNN handle — a 0-d int64 tensor no zero may stand in for), used
+    wherever a real value is needed: the static compile's inputs and the fast-path check's.
 
     ``size=None``: dynamic (``dynamic_shapes="from_graph"``, symbolic fake inputs); an int:
     static for that token count (real inputs of that size, ``"from_example_inputs"``).
@@ -269,7 +283,12 @@ def compile_piece(
     kernel_root = out_dir / "kernels"
     artifact = out_dir / "artifact.bin"
     dynamic = size is None
-    inputs = list(example_inputs) if dynamic else static_example_inputs(example_inputs, size)
+    real = dict(real_inputs or {})
+
+    def with_real(values: list[Any]) -> list[Any]:
+        return [real.get(i, v) for i, v in enumerate(values)]
+
+    inputs = list(example_inputs) if dynamic else with_real(static_example_inputs(example_inputs, size))
     mode = "from_graph" if dynamic else "from_example_inputs"
     key = piece_cache_key(gm, inputs, dynamic, options=options)
     t0 = time.perf_counter()
@@ -283,11 +302,13 @@ def compile_piece(
                 art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
                 art.save(path=str(artifact), format="binary")
         except Exception as e:  # noqa: BLE001 - Inductor raises many kinds
+            if _is_restart(e):  # Dynamo's own signal to re-trace (a float it made dynamic must be
+                raise           # specialized): raised through a backend, Dynamo traces again
             what = "dynamic" if dynamic else f"size {size}"
             raise CompileError(f"Inductor failed to compile piece ({what}) into {out_dir}: "
                                f"{type(e).__name__}: {e}") from e
         files = _kernel_files(Path(tmp))
-        vals = inputs if not dynamic else static_example_inputs(inputs, _CHECK_TOKENS)
+        vals = inputs if not dynamic else with_real(static_example_inputs(inputs, _CHECK_TOKENS))
         note = wrapper.record_fast_path(art, vals, Path(tmp), files, out_dir / "wrapper.json",
                                         undefined_outputs(gm))
         for rel in files:

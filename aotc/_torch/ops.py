@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["graph_returns_tuple", "op_name", "undefined_outputs"]
+__all__ = ["graph_returns_tuple", "mutated_args", "op_name", "op_schema", "undefined_outputs"]
 
 
 def op_name(target: Any) -> str | None:
@@ -22,6 +22,35 @@ def op_name(target: Any) -> str | None:
     if isinstance(target, torch._ops.HigherOrderOperator):
         return f"higher_order::{target.name()}"
     return None
+
+
+def op_schema(target: Any) -> str:
+    """The schema of an op (every overload's, sorted, for a packet); "" for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target._schema)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return " | ".join(sorted(str(getattr(target, o)._schema) for o in target.overloads()))
+    return ""
+
+
+def mutated_args(node: torch.fx.Node) -> list[Any]:
+    """The argument values (nodes or constants) a ``call_function`` of an op writes in place,
+    from its schema's alias annotations (``Tensor(a!)``); [] for anything else."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        t = getattr(t, "default", None)
+    if not isinstance(t, torch._ops.OpOverload):
+        return []
+    out = []
+    for i, arg in enumerate(t._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if arg.kwarg_only or i >= len(node.args):
+            if arg.name in node.kwargs:
+                out.append(node.kwargs[arg.name])
+        else:
+            out.append(node.args[i])
+    return out
 
 
 def graph_returns_tuple(gm: torch.fx.GraphModule) -> bool:

@@ -320,7 +320,8 @@ def record_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any], cache_
         code = extract(cache_dir, kernel_files)
         fast = load(code, cache_dir)
         gen = torch.Generator().manual_seed(0)
-        values = [v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+        values = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).copy_(
+                      torch.randn(v.shape, generator=gen).to(v.dtype))  # never into a real weight
                   if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v for v in inputs]
         mine, theirs = _clone(values), values  # one copy: the values are fresh for this check
         with torch.no_grad():

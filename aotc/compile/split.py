@@ -42,6 +42,7 @@ class Piece:
     gm: torch.fx.GraphModule
     is_splitting: bool
     example_inputs: tuple[Any, ...]
+    real_inputs: dict[int, Any] = dataclasses.field(default_factory=dict)  # position -> real value
 
 
 @dataclasses.dataclass(frozen=True)

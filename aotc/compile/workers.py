@@ -123,7 +123,7 @@ def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=work))
     try:
         c = inductor_compile.compile_piece(piece.gm, list(piece.example_inputs), size, partial / "result",
-                                   options, tmp_root=partial)
+                                           options, tmp_root=partial, real_inputs=piece.real_inputs)
         result = partial / "result"
         files = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
         if c.wrapper is not None:
@@ -170,10 +170,15 @@ def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
         str(d.get("wrapper_note", "")), bool(d.get("reused", False)))
 
 
-def compile_tasks(manifest: Manifest, first_of: dict[str, Piece], tasks: list[Task], work: Path,
-                  progress: Progress, jobs: int = 1) -> dict[Task, inductor_compile.CompiledPiece]:
-    """Compile every task; with ``jobs`` > 1, ``jobs - 1`` workers take a share each."""
-    options = dict(manifest.inductor)
+def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: list[Task], work: Path,
+                  progress: Progress, jobs: int = 1,
+                  options: dict[str, Any] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
+    """Compile every task; with ``jobs`` > 1, ``jobs - 1`` workers take a share each (workers
+    re-trace the manifest's model: without a manifest — a graph the backend was handed — every
+    task compiles here). ``options``: Inductor patches (default: the manifest's)."""
+    options = dict(manifest.inductor) if manifest is not None else dict(options or {})
+    if manifest is None:
+        jobs = 1
     results: dict[Task, inductor_compile.CompiledPiece] = {}
     lock = threading.Lock()
     total = len(tasks)
@@ -192,16 +197,23 @@ def compile_tasks(manifest: Manifest, first_of: dict[str, Piece], tasks: list[Ta
                   + (f", {len(reused)} reused from {resumed_from(work)}" if reused else ""))
     for task, c in reused.items():
         done(task, c)
-    workers = [_Worker(manifest, share, work, done) for share in shares[1:]]
+    workers = [_Worker(manifest, share, work, done) for share in shares[1:]]  # type: ignore[arg-type]
     try:
-        for uid, size in shares[0]:
-            done((uid, size), _compile_into(work, uid, first_of[uid], size, options))
+        compile_here(first_of, shares[0], work, options, done)
         for w in workers:
             w.wait()
     finally:
         for w in workers:
             w.kill()
     return results
+
+
+def compile_here(first_of: dict[str, Piece], tasks: list[Task], work: Path, options: dict[str, Any],
+                 done: Any) -> None:
+    """Compile ``tasks`` in this process, one after another, each into ``work`` (or taken from a
+    finished result there); ``done(task, compiled)`` after each."""
+    for uid, size in tasks:
+        done((uid, size), _compile_into(work, uid, first_of[uid], size, options))
 
 
 class _Worker:

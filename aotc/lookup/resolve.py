@@ -29,12 +29,13 @@ from aotc.lookup.toolchain import codegen_env
 # aotc's own modules whose logic shapes the artifacts (capture, split, compile settings), by
 # dotted name: a module that moves changes its name, and so the hash, on purpose.
 _COMPILE_LOGIC = ("aotc.compile.capture", "aotc.compile.split", "aotc.compile.pieces",
+                  "aotc.backend.build", "aotc.backend.graphkey",
                   "aotc.model.build", "aotc.records.graphcode", "aotc._torch.dynamo", "aotc._torch.ops",
                   "aotc._torch.inductor_compile", "aotc._torch.inductor_load",
                   "aotc._torch.inductor_facts", "aotc._torch.wrapper")
 
 
-def _compile_logic_hash() -> str:
+def compile_logic_hash() -> str:
     """sha256 over (module name, source) of each compile-logic module; the files are read from
     this install without importing them (a lookup must not import the compile journey)."""
     root = Path(__file__).resolve().parent.parent  # the aotc package
@@ -60,7 +61,7 @@ def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
     m.pop("inductor", None)
     return {"manifest": m, "toolchain": machine["toolchain"],
             "inductor": inductor_factors(thaw(manifest.inductor), machine["inductor_values"]),
-            "aotc": {"format": FORMAT_VERSION, "compile_logic": _compile_logic_hash()}}
+            "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash()}}
 
 
 def factory_source(manifest: Manifest) -> dict[str, str]:

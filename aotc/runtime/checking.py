@@ -38,7 +38,7 @@ class Comparison:
         return not self.failures
 
 
-def _errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float, float, bool]:
+def tensor_errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float, float, bool]:
     if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) \
             or got.shape != want.shape:
         return float("inf"), float("inf"), False
@@ -84,7 +84,7 @@ def compare_runs(compiled: Callable[..., Any], eager: Callable[..., Any], inputs
         finally:
             restore(buffers, snapshot)
     for what, g, w in pairs:
-        abs_err, rel_err, ok = _errors(g, w, atol, rtol)
+        abs_err, rel_err, ok = tensor_errors(g, w, atol, rtol)
         result.max_abs_err = max(result.max_abs_err, abs_err)
         result.max_rel_err = max(result.max_rel_err, rel_err)
         if not ok:
@@ -115,4 +115,5 @@ def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Te
                 b.copy_(snapshot[k])
 
 
-__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors", "kept", "restore", "same"]
+__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors", "kept", "restore", "same",
+                         "tensor_errors"]

@@ -80,15 +80,12 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
                          f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
 
 
-def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
-               options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
-               capture_sizes: Any = None, trusted: frozenset[str] = frozenset(),
-               fast: bool | None = None) -> Runner:
-    """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
-    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). Under a trust policy
-    (``trusted`` public keys) the entry's signature is checked before any blob is read.
-    ``fast``: the no-Inductor fast path where recorded (default: unless ``AOTC_LOADER=inductor``)."""
-    timings = timings or Timings()
+def rehydrate_entry(entry: Entry, store: Store, timings: Timings, options: dict[str, Any] | None,
+                    trusted: frozenset[str] = frozenset(),
+                    fast: bool | None = None) -> tuple[Program, dict[str, dict[int | None, Any]]]:
+    """An entry's program and its artifacts as callables (by unique piece and size): signature
+    checked under a trust policy, every blob read and verified into a per-process directory,
+    each artifact rehydrated (the fast path where recorded, unless ``fast`` is False)."""
     t = time.perf_counter()
     enforce(store, entry, trusted)
     program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
@@ -104,6 +101,19 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
     t = time.perf_counter()
     by_uid = rehydrate(program, dests, kernel_root, options, fast=fast)
     timings.add("deserialize", time.perf_counter() - t)
+    return program, by_uid
+
+
+def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
+               options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
+               capture_sizes: Any = None, trusted: frozenset[str] = frozenset(),
+               fast: bool | None = None) -> Runner:
+    """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
+    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). Under a trust policy
+    (``trusted`` public keys) the entry's signature is checked before any blob is read.
+    ``fast``: the no-Inductor fast path where recorded (default: unless ``AOTC_LOADER=inductor``)."""
+    timings = timings or Timings()
+    program, by_uid = rehydrate_entry(entry, store, timings, options, trusted, fast)
     runner = Runner(program, by_uid, model, key=entry.key, timings=timings)
     sizes = program.capture_sizes if capture_sizes is None else capture_sizes
     if program.device.startswith("cuda") and cudagraph != "none" and sizes:

@@ -24,10 +24,11 @@ Artifact = Callable[..., Sequence[torch.Tensor]]
 _PATH = re.compile(r"(?:/[^\s:,'\"]+)+\.(?:cpp|h|py|so)(?::\d+)?")  # compile-time staging paths
 
 
-class _CompiledPiece:
-    """Calls the artifact for the runner's current token count."""
+class PieceCall:
+    """Calls a compiled piece's artifact for the runner's current token count (a runner has
+    ``current_tokens``, ``piece_hook`` and ``kernel_error``)."""
 
-    def __init__(self, runner: Runner, name: str, uid: str, by_size: Mapping[int | None, Artifact],
+    def __init__(self, runner: Any, name: str, uid: str, by_size: Mapping[int | None, Artifact],
                  returns_tuple: bool = True) -> None:
         self.runner, self.name, self.uid, self.by_size = runner, name, uid, dict(by_size)
         self.returns_tuple = returns_tuple
@@ -50,7 +51,7 @@ class _CompiledPiece:
         return out if self.returns_tuple else out[0]
 
 
-class _SplittingPiece:
+class SplittingCall:
     """Runs an attention piece's small graph eagerly."""
 
     def __init__(self, graph: GraphProgram) -> None:
@@ -75,6 +76,12 @@ class Timings:
         return sum(self.phases.values())
 
 
+def kernel_text(e: BaseException) -> str:
+    """A kernel's error in one line, without the compile-time staging paths it names."""
+    text = " ".join(_PATH.sub("", str(e)).split())
+    return re.sub(r"^kernel,\s*(?::\d+)?,\s*", "", text)[:300]  # "kernel, <path>:44, why"
+
+
 class Runner:
     """``runner(*inputs)`` or ``runner(name=tensor, …)``: the compiled model, bound to ``model``'s
     parameters and buffers (by their names in ``model``: the server's own module, e.g. what
@@ -96,10 +103,10 @@ class Runner:
         self._modules: dict[str, Callable[..., Any]] = {}
         for p in program.pieces:
             if p.kind == "compiled":
-                self._modules[p.name] = _CompiledPiece(self, p.name, str(p.uid),
+                self._modules[p.name] = PieceCall(self, p.name, str(p.uid),
                                                        artifacts[str(p.uid)], p.returns_tuple)
             else:
-                self._modules[p.name] = _SplittingPiece(GraphProgram(p.graph or {"nodes": []}))
+                self._modules[p.name] = SplittingCall(GraphProgram(p.graph or {"nodes": []}))
         self._bind(self.model)
         self.timings.add("bind", time.perf_counter() - t0)
 
@@ -191,12 +198,11 @@ class Runner:
                              f"{self.program.min_dynamic_tokens}; add {n} to compile_sizes")
         return n
 
-    def kernel_error(self, piece: _CompiledPiece, n: int, e: BaseException) -> AotcError:
+    def kernel_error(self, piece: PieceCall, n: int, e: BaseException) -> AotcError:
         """A compiled kernel's failure, told in the caller's terms: which piece at which size,
         the kernel's own words without compile-time paths, and an input outside the range the
         manifest declares (a token id beyond the vocabulary) when the call has one."""
-        text = " ".join(_PATH.sub("", str(e)).split())
-        text = re.sub(r"^kernel,\s*(?::\d+)?,\s*", "", text)[:300]  # "kernel, <path>:44, why"
+        text = kernel_text(e)
         inputs = getattr(self._local, "inputs", None) or ()
         for t, spec in zip(inputs, self.program.inputs):
             high, low = spec.get("high"), spec.get("low") or 0

@@ -1,0 +1,165 @@
+"""aotc as a ``torch.compile`` backend: ``torch.compile(model, backend="aotc")`` (registered through
+torch's ``torch_dynamo_backends`` entry point) or ``backend=aotc.backend(store=…, …)``.
+
+Dynamo hands the backend one graph. Its key is the graph's canonical form
+(:mod:`aotc.backend.graphkey`) + toolchain + Inductor settings + aotc's format and compile logic +
+splitting ops + compile sizes. A stored entry (or one pulled from the remote, verified) is
+rehydrated through the no-Inductor fast path; a miss compiles, checks and stores it
+(:mod:`aotc.backend.build`) and pushes it when a remote is set. Either way Dynamo gets an
+:class:`~aotc.backend.compiled.AotcCompiled`, which torch's and vLLM's AOT paths can save as
+just the key.
+
+The backend compiles for inference: the program runs under ``no_grad`` and its outputs carry no
+autograd graph.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from typing import Any, Iterable, Sequence
+
+from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
+
+__all__ = ["DEFAULT_SPLITTING_OPS", "AotcBackend", "aotc_backend", "backend", "backend_key"]
+
+
+def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | None = None,
+                store: Any = None) -> tuple[str, dict[str, Any]]:
+    """``(key, factors)`` of a graph as the backend would store it (``store``: where the
+    toolchain memo lives; default: the configured store)."""
+    from aotc._torch import inductor_facts
+    from aotc.backend.graphkey import graph_device, graph_factors
+    from aotc.lookup.resolve import compile_logic_hash, inductor_factors
+    from aotc.lookup.toolchain import machine_factors
+    from aotc.records.key import FORMAT_VERSION, compute_key
+    from aotc.settings import current
+
+    config = config or BackendConfig()
+    settings = current()
+    device = graph_device(example_inputs)
+    memo = None if store is None else store.base / "toolchain"
+    machine = machine_factors(device, memo)
+    factors = {
+        "graph": graph_factors(gm, example_inputs),
+        "toolchain": machine["toolchain"],
+        # live values: a framework may patch Inductor's config around the compile (vLLM does)
+        "inductor": inductor_factors(dict(config.inductor), inductor_facts.config_values()),
+        "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash(), "kind": "graph"},
+        "backend": {"splitting_ops": sorted(config.ops(settings)),
+                    "compile_sizes": list(config.sizes(settings))},
+    }
+    return compute_key(factors), factors
+
+
+class AotcBackend:
+    """A configured backend: ``torch.compile(m, backend=AotcBackend(...))`` (see module doc)."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.last: dict[str, Any] = {}  # what the last call did (key, hit, seconds): for tests and logs
+
+    def __repr__(self) -> str:
+        return f"aotc.backend(store={self.config.store!r}, remote={self.config.remote!r})"
+
+    def __call__(self, gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        from aotc._torch import dynamo
+        from aotc.backend.compiled import AotcCompiled, load_graph_program
+        from aotc.cache import CacheMiss, StoreReadOnlyError
+        from aotc.fleet.trust import trust_policy
+        from aotc.lookup.stores import open_store, split_store
+        from aotc.progress import Progress
+        from aotc.settings import current
+
+        import torch
+
+        cfg = self.config
+        settings = current()
+        t0 = time.perf_counter()
+        trusted = trust_policy(cfg.trust, settings)
+        local, remote = split_store(cfg.store, cfg.remote, settings)
+        store = open_store(local, create=True, settings=settings)
+        if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs):
+            warnings.warn("aotc compiles for inference: the compiled model runs under no_grad and "
+                          "its outputs carry no autograd graph", stacklevel=2)
+        key, factors = backend_key(gm, example_inputs, cfg, store)
+        hit = store.has(key)
+        if hit or remote is not None:
+            try:
+                runner = load_graph_program(key, store, remote, tuple(trusted))
+                self.last = {"key": key, "hit": True, "pulled": not hit,
+                             "seconds": time.perf_counter() - t0}
+                return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+            except CacheMiss:
+                if hit:
+                    raise
+        if store.read_only:
+            raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
+        quiet = not (settings.progress or sys.stderr.isatty())
+        progress = Progress(quiet=quiet)
+        from aotc.backend.build import build_entry
+
+        atol, rtol = cfg.tolerance_for(_float_dtype(example_inputs))
+        with dynamo.outside_trace():
+            meta = build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
+                               ops=cfg.ops(settings), sizes=cfg.sizes(settings),
+                               options=dict(cfg.inductor), atol=atol, rtol=rtol, progress=progress)
+        pushed = None
+        if remote is not None:
+            pushed = _push(store, remote, key)
+        runner = load_graph_program(key, store, None, tuple(trusted))
+        self.last = {"key": key, "hit": False, "pushed": pushed, "metadata": meta,
+                     "seconds": time.perf_counter() - t0}
+        return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+
+
+def _float_dtype(example_inputs: Sequence[Any]) -> Any:
+    import torch
+
+    return next((x.dtype for x in example_inputs
+                 if isinstance(x, torch.Tensor) and x.dtype.is_floating_point), torch.float32)
+
+
+def _push(store: Any, remote: Any, key: str) -> bool:
+    """Push a fresh entry; a failure is a warning (the compile stands, the fleet can be fed later
+    with ``aotc push``), never a failed model start."""
+    from aotc.errors import AotcError
+    from aotc.fleet.sync import push_entry
+
+    try:
+        push_entry(store, remote, key)
+        return True
+    except AotcError as e:
+        print(f"aotc: warning: could not push {key[:16]}… to {remote.url}: {e}", file=sys.stderr)
+        return False
+
+
+def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
+            splitting_ops: Iterable[str] | str | None = None,
+            compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
+            inductor: dict[str, Any] | None = None, name: str | None = None) -> AotcBackend:
+    """A configured ``torch.compile`` backend. ``store``: a directory or ``s3://`` URL (default
+    ``AOTC_STORE``); ``remote``: pull-through and push target (default ``AOTC_REMOTE``);
+    ``trust``: public keys an entry must be signed by (besides ``AOTC_TRUST_KEYS``);
+    ``splitting_ops`` (default ``AOTC_SPLITTING_OPS``, else vLLM's attention ops, aten SDPA and
+    ``aotc::attention``); ``compile_sizes``: static artifacts besides the dynamic one (default
+    ``AOTC_COMPILE_SIZES``, else none); ``tolerance`` of the numeric check (default by dtype);
+    ``inductor``: config patches; ``name``: the store entry's name."""
+    return AotcBackend(BackendConfig.make(store, remote, trust, splitting_ops, compile_sizes,
+                                          tolerance, inductor, name))
+
+
+_DEFAULT: AotcBackend | None = None
+
+
+def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """The ``"aotc"`` backend torch's registry finds through the entry point: every setting from
+    the environment. ``options={...}`` given to ``torch.compile`` are ``aotc.backend`` arguments."""
+    global _DEFAULT
+    options = dict(kwargs.get("options") or {})
+    if options:
+        return backend(**options)(gm, example_inputs)
+    if _DEFAULT is None:
+        _DEFAULT = AotcBackend(BackendConfig())
+    return _DEFAULT(gm, example_inputs)

@@ -1,0 +1,118 @@
+"""What the backend returns to Dynamo: :class:`AotcCompiled`, a torch ``SerializableCallable``.
+
+torch's AOT path (``torch.compile(...).aot_compile``, vLLM's ``VLLM_USE_AOT_COMPILE``) saves a
+backend's result with ``serialize_compile_artifacts``: ours writes only the store key (and the
+store/remote the backend was given explicitly), ~100 bytes. A later start loads that file
+without Dynamo and without calling the backend; ``deserialize_compile_artifacts`` gives an
+unloaded callable and ``finalize_loading`` (vLLM calls it right after loading; otherwise the
+first call does) fetches the program from the store — pulling it from the remote on a local
+miss — and rehydrates it. An entry that is gone raises there, so vLLM falls back to a clean
+compile rather than running something else.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from aotc._torch import dynamo
+from aotc.counters import COUNTERS
+from aotc.errors import LoadError
+from aotc.runtime.graphcall import GraphRunner
+from aotc.runtime.runner import Timings
+
+__all__ = ["AotcCompiled", "load_graph_program"]
+
+_FORMAT = 1
+
+
+def load_graph_program(key: str, store: Any = None, remote: Any = None, trust: Any = (),
+                       timings: Timings | None = None) -> GraphRunner:
+    """The stored program of a graph by its key, ready to call: local store (``AOTC_STORE``
+    default), else pulled from ``remote`` (``AOTC_REMOTE``) verified; trust policy enforced."""
+    from aotc.cache import CacheMiss
+    from aotc.fleet.trust import trust_policy
+    from aotc.lookup.stores import open_store, split_store
+    from aotc.runtime.loader import rehydrate_entry
+    from aotc.settings import current
+
+    timings = timings or Timings()
+    settings = current()
+    trusted = trust_policy(trust, settings)
+    local, rem = split_store(store, remote, settings)
+    st = open_store(local, create=rem is not None, settings=settings)
+    t = time.perf_counter()
+    if not st.has(key):
+        if rem is None:
+            raise CacheMiss(key, hint=f"the store {st.root} has no entry {key[:16]}… for this graph "
+                                      "(compiled on another machine? set AOTC_REMOTE to pull it)")
+        from aotc.fleet.sync import pull_entry
+
+        pulled = pull_entry(rem, st, key, trusted)
+        timings.pulled_bytes = pulled.bytes_moved
+        timings.add("pull", time.perf_counter() - t)
+    entry = st.get(key)
+    COUNTERS.cache_hits += 1
+    program, by_uid = rehydrate_entry(entry, st, timings, entry.factors.get("inductor", {}).get("patches", {}),
+                                      trusted)
+    return GraphRunner(program, by_uid, key=key, timings=timings)
+
+
+class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]
+    """The stitched program of one graph, by store key (module doc). ``runner`` is None until
+    loaded; ``store``/``remote``/``trust``: what the backend was given explicitly (None: the
+    settings of the process that loads it)."""
+
+    def __init__(self, key: str, runner: GraphRunner | None = None, store: Any = None,
+                 remote: Any = None, trust: tuple[str, ...] = ()) -> None:
+        self.key, self.runner = key, runner
+        self.store = None if store is None else str(store)
+        self.remote = None if remote is None else str(remote)
+        self.trust = tuple(trust)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: AotcCompiled) -> bytes:
+        """The key and explicit locations, as JSON (the artifacts stay in the store)."""
+        return json.dumps({"aotc": _FORMAT, "key": fn.key, "store": fn.store, "remote": fn.remote,
+                           "trust": list(fn.trust)}, sort_keys=True).encode()
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> AotcCompiled:
+        """An unloaded callable for the saved key; ``finalize_loading`` or the first call loads it."""
+        try:
+            d = json.loads(data)
+            if d.get("aotc") != _FORMAT:
+                raise ValueError(f"format {d.get('aotc')!r}, this aotc reads {_FORMAT}")
+            return cls(str(d["key"]), store=d.get("store"), remote=d.get("remote"),
+                       trust=tuple(d.get("trust") or ()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise LoadError(f"saved aotc compiled function is unreadable ({e}); delete the "
+                            "framework's compile cache and start again") from e
+
+    def finalize_loading(self, *_config: Any) -> None:
+        """Fetch and rehydrate the program now (vLLM calls this after loading its AOT file)."""
+        self._ensure()
+
+    def _ensure(self) -> GraphRunner:
+        if self.runner is None:
+            with self._lock:
+                if self.runner is None:
+                    self.runner = load_graph_program(self.key, self.store, self.remote, self.trust)
+        return self.runner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        runner = self.runner or self._ensure()
+        return runner(*args, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled by reference: the key, never the kernels
+        return {"key": self.key, "store": self.store, "remote": self.remote, "trust": self.trust}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["key"], store=state["store"], remote=state["remote"],  # type: ignore[misc]
+                      trust=tuple(state["trust"]))
+
+    def __repr__(self) -> str:
+        return f"AotcCompiled(key={self.key[:16]}…, loaded={self.runner is not None})"

@@ -1,0 +1,121 @@
+"""What an ``aotc`` backend is configured with: the store, a remote, a trust policy, the splitting
+ops, the compile sizes, the numeric check's tolerance and Inductor patches. Defaults come from
+the settings (``AOTC_STORE``, ``AOTC_REMOTE``, ``AOTC_TRUST_KEYS``, ``AOTC_SPLITTING_OPS``,
+``AOTC_COMPILE_SIZES``), read when the backend is called, not when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from aotc.errors import BackendError
+from aotc.settings import Settings
+
+__all__ = ["DEFAULT_SPLITTING_OPS", "BackendConfig"]
+
+# vLLM 0.32's graph calls both of its ops per layer (KV cache write, then attention into an
+# output buffer); older vLLM calls unified_attention; plain models reach SDPA; aotc's toy models
+# call aotc::attention.
+DEFAULT_SPLITTING_OPS = (
+    "vllm::unified_kv_cache_update",
+    "vllm::unified_attention_with_output",
+    "vllm::unified_attention",
+    "aten::scaled_dot_product_attention",
+    "aotc::attention",
+)
+
+
+def _sizes(value: Any, where: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [v for v in value.replace(",", " ").split() if v]
+    try:
+        sizes = sorted({int(v) for v in value})
+    except (TypeError, ValueError) as e:
+        raise BackendError(f"{where}: compile sizes must be positive integers, got {value!r}") from e
+    if any(s < 1 for s in sizes):
+        raise BackendError(f"{where}: compile sizes must be positive integers, got {value!r}")
+    return tuple(sizes)
+
+
+def _ops(value: Any, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.replace(",", " ").split() if v]
+    ops = tuple(str(v).strip() for v in value if str(v).strip())
+    bad = [o for o in ops if "::" not in o and "." not in o]
+    if bad:
+        raise BackendError(f"{where}: {bad[0]!r} is not an op name; write 'namespace::op' "
+                           "(e.g. 'vllm::unified_attention_with_output') or a Python qualname")
+    return ops
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One backend's settings; ``None`` fields take the settings' values at call time."""
+
+    store: Any = None
+    remote: Any = None
+    trust: tuple[str, ...] = ()
+    splitting_ops: tuple[str, ...] | None = None
+    compile_sizes: tuple[int, ...] | None = None
+    atol: float = 1e-4
+    rtol: float = 1e-4
+    tolerance_set: bool = False
+    inductor: dict[str, Any] = field(default_factory=dict)
+    name: str = "torch.compile"
+
+    @classmethod
+    def make(cls, store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
+             splitting_ops: Iterable[str] | str | None = None,
+             compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
+             inductor: dict[str, Any] | None = None, name: str | None = None) -> BackendConfig:
+        """Validate ``aotc.backend(...)``'s arguments (a bad one is a ``BackendError`` naming it).
+        ``tolerance``: a float (atol = rtol), ``(atol, rtol)`` or ``{"atol": …, "rtol": …}``;
+        default by dtype (float32 1e-4, float16 1e-2, bfloat16 3e-2)."""
+        atol = rtol = 1e-4
+        if tolerance is not None:
+            try:
+                if isinstance(tolerance, dict):
+                    atol, rtol = float(tolerance["atol"]), float(tolerance.get("rtol", tolerance["atol"]))
+                elif isinstance(tolerance, (tuple, list)):
+                    atol, rtol = float(tolerance[0]), float(tolerance[1])
+                else:
+                    atol = rtol = float(tolerance)
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                raise BackendError(f"aotc.backend(tolerance=…): expected a float, (atol, rtol) or "
+                                   f"{{'atol': …, 'rtol': …}}, got {tolerance!r}") from e
+            if atol < 0 or rtol < 0:
+                raise BackendError(f"aotc.backend(tolerance=…) must be >= 0, got {tolerance!r}")
+        if inductor is not None and not isinstance(inductor, dict):
+            raise BackendError(f"aotc.backend(inductor=…) must be a dict of Inductor config "
+                               f"patches, got {type(inductor).__name__}")
+        trust = (trust,) if isinstance(trust, str) else tuple(trust)
+        return cls(store=store, remote=remote, trust=trust,
+                   splitting_ops=None if splitting_ops is None else _ops(splitting_ops, "aotc.backend(splitting_ops=…)"),
+                   compile_sizes=None if compile_sizes is None else _sizes(compile_sizes, "aotc.backend(compile_sizes=…)"),
+                   atol=atol, rtol=rtol, tolerance_set=tolerance is not None,
+                   inductor=dict(inductor or {}), name=name or "torch.compile")
+
+    def ops(self, settings: Settings) -> tuple[str, ...]:
+        """The splitting ops: given, else ``AOTC_SPLITTING_OPS``, else the defaults."""
+        if self.splitting_ops is not None:
+            return self.splitting_ops
+        if settings.splitting_ops:
+            return _ops(settings.splitting_ops, "AOTC_SPLITTING_OPS")
+        return DEFAULT_SPLITTING_OPS
+
+    def sizes(self, settings: Settings) -> tuple[int, ...]:
+        """The compile sizes: given, else ``AOTC_COMPILE_SIZES``, else none (dynamic only)."""
+        if self.compile_sizes is not None:
+            return self.compile_sizes
+        return _sizes(settings.compile_sizes, "AOTC_COMPILE_SIZES")
+
+    def tolerance_for(self, dtype: Any) -> tuple[float, float]:
+        """(atol, rtol): the given tolerance, else the default of the graph's float dtype."""
+        if self.tolerance_set:
+            return self.atol, self.rtol
+        import torch
+
+        default = {torch.float16: 1e-2, torch.bfloat16: 3e-2}.get(dtype, 1e-4)
+        return default, default
