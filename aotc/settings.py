@@ -12,6 +12,7 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_LOADER`` | ``loader`` | ``inductor``: load every piece through ``CompiledArtifact.load`` instead of the fast path |
 | ``AOTC_PROGRESS`` | ``progress`` | ``1``: draw progress (pull-through transfers) even when stderr is not a terminal |
 | ``AOTC_SPLITTING_OPS`` | ``splitting_ops`` | the ``torch.compile`` backend's splitting ops (comma separated; default: vLLM's attention ops, aten SDPA, ``aotc::attention``) |
+| ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
 """
 
@@ -26,7 +27,8 @@ __all__ = ["ENV", "Settings", "current", "is_remote_url"]
 
 ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
        "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS",
-       "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES"}
+       "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES",
+       "report": "AOTC_REPORT"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -47,6 +49,7 @@ class Settings:
     cache_home: Path | None = None  # $XDG_CACHE_HOME: where the default store lives
     splitting_ops: str | None = None  # as written; parsed by aotc.backend.config
     compile_sizes: str | None = None
+    report: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -62,6 +65,7 @@ class Settings:
             progress=(text["progress"] or "0").lower() not in ("0", "", "false", "no"),
             cache_home=Path(xdg).expanduser() if xdg else None,
             splitting_ops=text["splitting_ops"], compile_sizes=text["compile_sizes"],
+            report=text["report"],
         )
 
     @property

@@ -40,10 +40,16 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
     from aotc.compile.pipeline import compile_manifest
     from aotc.manifest import load_manifest
     from aotc.progress import Progress
+    from aotc.vllm.manifest import compile_vllm, is_vllm_manifest, load_vllm_manifest
 
+    app: AppContext = ctx.obj
+    if is_vllm_manifest(manifest):  # the engine runs once with the backend; it pushes to the remote
+        vm = load_vllm_manifest(manifest)
+        result = compile_vllm(vm, _store_for(ctx, vm, create=True), force=force, remote=app.remote())
+        _print_result(result, None, as_json)
+        return
     m = load_manifest(manifest)  # a bad manifest fails before the store is touched
     store = _store_for(ctx, m, create=True)
-    app: AppContext = ctx.obj
     remote = app.remote() if app.store_is_remote else None  # `--store s3://…`: publish there
     result = compile_manifest(m, store=store, force=force, progress=Progress(quiet=quiet), jobs=jobs)
     pushed = None
@@ -51,6 +57,10 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
         from aotc.fleet.sync import push_entry
 
         pushed = push_entry(store, remote, result.key, progress=Progress(quiet=quiet or as_json))
+    _print_result(result, pushed, as_json)
+
+
+def _print_result(result: Any, pushed: Any, as_json: bool) -> None:
     if as_json:
         print_json({**result.to_json(), **({"push": pushed.to_json()} if pushed else {})})
         return
@@ -58,9 +68,10 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
         click.echo(f"{result.name}: pushed to {pushed.remote}: {pushed.blobs_moved} of "
                    f"{pushed.blobs} blobs, {format_size(pushed.bytes_moved)}")
     if result.hit:
+        how = (f"the engine found it in {result.seconds['engine']:.1f}s)" if "engine" in result.seconds
+               else f"lookup {result.seconds.get('lookup', 0):.2f}s); --force recompiles")
         click.echo(f"{result.name}: up to date, key {result.key[:16]}… "
-                   f"({result.pieces} pieces, {result.unique_pieces} unique; "
-                   f"lookup {result.seconds.get('lookup', 0):.2f}s); --force recompiles")
+                   f"({result.pieces} pieces, {result.unique_pieces} unique; {how}")
         return
     phases = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     click.echo(

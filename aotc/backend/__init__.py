@@ -88,8 +88,10 @@ class AotcBackend:
         if hit or remote is not None:
             try:
                 runner = load_graph_program(key, store, remote, tuple(trusted))
-                self.last = {"key": key, "hit": True, "pulled": not hit,
-                             "seconds": time.perf_counter() - t0}
+                self._done(settings, {"key": key, "hit": True, "pulled": not hit,
+                                      "pulled_bytes": runner.timings.pulled_bytes,
+                                      "seconds": round(time.perf_counter() - t0, 3),
+                                      "store": str(store.root)})
                 return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
             except CacheMiss:
                 if hit:
@@ -109,9 +111,26 @@ class AotcBackend:
         if remote is not None:
             pushed = _push(store, remote, key)
         runner = load_graph_program(key, store, None, tuple(trusted))
-        self.last = {"key": key, "hit": False, "pushed": pushed, "metadata": meta,
-                     "seconds": time.perf_counter() - t0}
+        self._done(settings, {"key": key, "hit": False, "pulled": False, "pushed": pushed,
+                              "seconds": round(time.perf_counter() - t0, 3), "store": str(store.root),
+                              "pieces": meta["pieces"], "unique_pieces": meta["unique_pieces"],
+                              "compiles": meta["compiles"], "numerics": meta["numerics"]})
         return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+
+
+    def _done(self, settings: Any, what: dict[str, Any]) -> None:
+        """Remember, tell (one line on stderr) and report (``AOTC_REPORT``) what a call did."""
+        import json
+        import os
+
+        self.last = what
+        how = ("pulled from the remote" if what["pulled"] else "loaded from the store") if what["hit"] \
+            else f"compiled {what['compiles']} pieces, checked, stored"
+        print(f"aotc: graph {what['key'][:16]}… {'hit' if what['hit'] else 'miss'}: {how} in "
+              f"{what['seconds']:.2f}s ({what['store']})", file=sys.stderr, flush=True)
+        if settings.report:
+            with open(settings.report, "a") as f:  # one short line per write: atomic append
+                f.write(json.dumps({**what, "pid": os.getpid()}, sort_keys=True) + "\n")
 
 
 def _float_dtype(example_inputs: Sequence[Any]) -> Any:
@@ -159,7 +178,15 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     global _DEFAULT
     options = dict(kwargs.get("options") or {})
     if options:
-        return backend(**options)(gm, example_inputs)
+        from aotc.errors import BackendError
+
+        try:
+            configured = backend(**options)
+        except TypeError as e:
+            raise BackendError(f"torch.compile(backend='aotc', options=…): {e}; the options are "
+                               "aotc.backend's arguments (store, remote, trust, splitting_ops, "
+                               "compile_sizes, tolerance, inductor, name)") from e
+        return configured(gm, example_inputs)
     if _DEFAULT is None:
         _DEFAULT = AotcBackend(BackendConfig())
     return _DEFAULT(gm, example_inputs)

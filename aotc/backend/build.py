@@ -15,7 +15,6 @@ token dims narrowed from the traced example (a size above it cannot be made and 
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from aotc._torch.ops import graph_returns_tuple, mutated_args
 from aotc.cache import workdirs
 from aotc.compile.pieces import piece_uid
 from aotc.compile.split import SplitResult, split
-from aotc.compile.workers import compile_tasks, discard, note_check_failed
+from aotc.compile.workers import compile_tasks, discard, merge_kernels, note_check_failed
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
@@ -212,18 +211,6 @@ def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
             "skipped_sizes": skipped}
 
 
-def _merge_kernels(compiled: dict[Any, inductor_compile.CompiledPiece], root: Path) -> set[str]:
-    seen: set[str] = set()
-    for c in compiled.values():
-        for rel in c.kernel_files:
-            if rel not in seen:
-                dst = root / rel
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(c.kernel_root / rel, dst)
-                seen.add(rel)
-    return seen
-
-
 def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: Any, key: str,
                 factors: dict[str, Any], *, name: str, ops: Sequence[str], sizes: Sequence[int],
                 options: dict[str, Any], atol: float, rtol: float,
@@ -252,7 +239,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         tasks = [(uid, size) for uid in first_of for size in shapes]
         compiled = compile_tasks(None, first_of, tasks, claimed.path, progress, options=options)
         kernel_root = Path(tmp) / "kernels"
-        kernel_files = _merge_kernels(compiled, kernel_root)
+        kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
         t = time.perf_counter()
         artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}",

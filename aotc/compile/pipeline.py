@@ -9,7 +9,6 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from aotc.lookup.toolchain import fingerprint, machine_factors
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runtime.runner import Runner
 from aotc.runtime.rehydrate import rehydrate
-from aotc.compile.workers import compile_tasks, discard, note_check_failed, resumed_from
+from aotc.compile.workers import compile_tasks, discard, merge_kernels, note_check_failed, resumed_from
 from aotc.compile.pieces import trace_and_split
 from aotc.compile.split import node_op_names
 
@@ -149,9 +148,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         tasks = [(uid, size) for uid in first_of for size in shapes]
         reused_from = resumed_from(claimed.path)
         compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs)
-        kernel_files: set[str] = set()
-        for c in compiled.values():
-            _merge_kernels(c, kernel_root, kernel_files)
+        kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
         try:
             progress.phase("check", "reload artifacts, compare with eager")
@@ -244,17 +241,6 @@ def _artifact_files(artifacts: list[ArtifactRecord],
         if a.wrapper_role and c.wrapper is not None:
             files[a.wrapper_role] = c.wrapper
     return files
-
-
-def _merge_kernels(c: inductor_compile.CompiledPiece, root: Path, seen: set[str]) -> None:
-    """Gather every piece's kernel files under one root (paths are content-addressed by
-    Inductor, so one relative path always holds the same bytes)."""
-    for rel in c.kernel_files:
-        if rel not in seen:
-            dst = root / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(c.kernel_root / rel, dst)
-            seen.add(rel)
 
 
 def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:

