@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "load", "__version__"]
+__all__ = ["backend", "compile", "load", "__version__"]
 
 
 def compile(manifest: Any, store: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - public API name
@@ -17,6 +17,14 @@ def compile(manifest: Any, store: Any = None, **kwargs: Any) -> Any:  # noqa: A0
     from aotc.compile.pipeline import compile_manifest
 
     return compile_manifest(manifest, store=store, **kwargs)
+
+
+def backend(**kwargs: Any) -> Any:
+    """A configured ``torch.compile`` backend; see ``aotc.backend.backend``. (Importing
+    ``aotc.backend`` replaces this function by the package, which is callable the same way.)"""
+    from aotc.backend import backend as _backend
+
+    return _backend(**kwargs)
 
 
 def load(manifest_or_key: Any, model: Any = None, store: Any = None, **kwargs: Any) -> Any:

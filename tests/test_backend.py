@@ -35,6 +35,17 @@ def test_torch_lists_the_aotc_backend() -> None:
     assert lookup_backend("aotc") is aotc_backend
 
 
+def test_aotc_backend_is_callable_as_the_issue_writes_it() -> None:
+    import aotc
+
+    configured = aotc.backend(store="/nowhere", compile_sizes=[8, 1], tolerance=(1e-3, 1e-2))
+    import aotc.backend as pkg
+
+    again = aotc.backend(compile_sizes="4")
+    assert configured.config.compile_sizes == (1, 8) and configured.config.atol == 1e-3
+    assert again.config.compile_sizes == (4,) and pkg.backend is not None
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"compile_sizes": "8,x"}, "compile sizes must be positive integers"),
     ({"compile_sizes": [0]}, "compile sizes must be positive integers"),
@@ -143,6 +154,10 @@ def test_a_second_fresh_process_compiles_nothing_and_matches_eager(
     assert "miss" not in warm["stderr"] and "hit: loaded from the store" in warm["stderr"]
     kernels = [p for p in warm_dir.rglob("*") if p.is_file() and p.suffix in (".so", ".cpp", ".py")]
     assert kernels == [], kernels[:5]
+    # the store commands see the backend's entries like any other
+    listed = json.loads(run_cli("inspect", "cache", "--json", env=env, check=True).stdout)
+    assert {e["name"] for e in listed["entries"]} == {"torch.compile"} and len(listed["entries"]) >= 1
+    run_cli("verify", env=env, check=True)
 
 
 def test_a_bad_vllm_manifest_names_the_field(tmp_path: Path) -> None:

@@ -10,13 +10,15 @@ rehydrated through the no-Inductor fast path; a miss compiles, checks and stores
 just the key.
 
 The backend compiles for inference: the program runs under ``no_grad`` and its outputs carry no
-autograd graph.
+autograd graph. ``aotc.backend`` is both this package and :func:`backend` (the package is
+callable, as ``aotc.compile`` is).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import types
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -190,3 +192,12 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     if _DEFAULT is None:
         _DEFAULT = AotcBackend(BackendConfig())
     return _DEFAULT(gm, example_inputs)
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> AotcBackend:
+        """``aotc.backend(store=…, …)``: :func:`backend`."""
+        return backend(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

@@ -65,11 +65,14 @@ def is_vllm_manifest(path: str | Path) -> bool:
 def load_vllm_manifest(path: str | Path) -> VllmManifest:
     """Read and validate; a bad field is a ``ManifestError`` naming the file, the field, the fix."""
     path = Path(path).resolve()
-    data = yaml.safe_load(path.read_text())
     where = str(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ManifestError(where, "", f"cannot read the manifest: {e}") from e
 
     def bad(field_: str, why: str) -> ManifestError:
-        return ManifestError(f"{where}: {field_}: {why}")
+        return ManifestError(where, field_, why)
 
     unknown = sorted(set(data) - _TOP)
     if unknown:
