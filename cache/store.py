@@ -393,6 +393,13 @@ class Store:
                                 "LIMIT 1", (name,))
         return str(rows[0]["key"]) if rows else None
 
+    def keys_with_role(self, role: str) -> list[str]:
+        """The keys of the sound entries (not marked bad) holding a blob of that role, newest
+        first."""
+        return [r["key"] for r in self.index.query(
+            "SELECT e.key FROM entries e JOIN entry_blobs b ON b.key = e.key "
+            "WHERE b.role = ? AND e.bad IS NULL ORDER BY e.created DESC", (role,))]
+
     def keys(self) -> list[str]:
         """All entry keys, oldest first."""
         return [r["key"] for r in self.index.query("SELECT key FROM entries ORDER BY created")]

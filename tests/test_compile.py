@@ -26,7 +26,10 @@ def test_pieces_and_unique_compiles(compiled, layers: int) -> None:
     assert not res.hit
     assert res.pieces == 2 * layers + 1
     assert res.unique_pieces == 3
-    assert res.compiles == 3 * (1 + len(SIZES))  # whatever the depth
+    if layers == 2:  # compiled first, into an empty store
+        assert res.compiles == 3 * (1 + len(SIZES)) and res.shared == 0  # whatever the depth
+    else:  # every (piece, size) is its 2-layer sibling's: taken from that entry (aotc.compile.reuse)
+        assert res.compiles == 0 and res.shared == 3 * (1 + len(SIZES))
     assert after["compiles"] - before["compiles"] == res.compiles  # Inductor really ran that often
     assert after["traces"] - before["traces"] == 1
     assert res.max_abs_err is not None and res.max_abs_err <= 1e-4
@@ -164,7 +167,7 @@ def test_parallel_workers_compile_the_same_program(compiled, tmp_path) -> None:
     from aotc._torch.inductor_facts import counters_snapshot
     from aotc.records.program import PROGRAM_ROLE, Program
 
-    _tmp, store, _results = compiled
+    store = Store(tmp_path / "store")  # empty: the session store would share every piece
     m = toy_manifest(tmp_path, 3, name="toy-3-parallel", compile_sizes=[])
     before = counters_snapshot()["compiles"]
     res = compile_manifest(m, store=store, jobs=2)

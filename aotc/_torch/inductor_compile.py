@@ -124,6 +124,7 @@ class CompiledPiece:
     wrapper: Path | None = None  # the fast-path record (aotc._torch.wrapper), when the piece qualifies
     wrapper_note: str = ""  # why it does not
     reused: bool = False  # found finished in the compile's work directory (a resumed compile)
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds by step (a profile)
 
 
 def _sc_module() -> Any:
@@ -240,6 +241,21 @@ def piece_cache_key(
     return _fallback_key(gm, inputs, tag + json.dumps(options, sort_keys=True, default=str))
 
 
+# Inductor's own timers (``dynamo_timed`` names) worth telling apart in a compile's profile
+_METRICS = {"GraphLowering.run": "lowering", "GraphLowering.codegen": "codegen",
+            "compile_file": "c++ compiler", "PyCodeCache.load_by_key_path": "load module",
+            "async_compile.wait": "wait for kernels"}
+
+
+def _timed_metrics() -> dict[str, float]:
+    """Total seconds so far of each of :data:`_METRICS` (``torch._dynamo.utils``' record)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as m
+    except ImportError:
+        return {}
+    return {k: float(sum(m.get(k, ()))) for k in _METRICS}
+
+
 def _is_restart(e: BaseException) -> bool:
     """Whether ``e`` is Dynamo's ``RestartAnalysis`` (e.g. ``TensorifyScalarRestartAnalysis``)."""
     try:
@@ -290,33 +306,47 @@ def compile_piece(
 
     inputs = list(example_inputs) if dynamic else with_real(static_example_inputs(example_inputs, size))
     mode = "from_graph" if dynamic else "from_example_inputs"
+    t0 = t_key = time.perf_counter()
     key = piece_cache_key(gm, inputs, dynamic, options=options)
-    t0 = time.perf_counter()
     probes = _isa_probe_files()
     with tempfile.TemporaryDirectory(prefix="aotc-inductor-", dir=tmp_root) as tmp:
         for rel, src in probes.items():  # seed: the ISA check at compile and load finds them
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, Path(tmp) / rel)
+        phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
+        timed = _timed_metrics()
         try:
             with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options):
+                t = time.perf_counter()
                 art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
+                phases["inductor"] = time.perf_counter() - t
+                t = time.perf_counter()
                 art.save(path=str(artifact), format="binary")
+                phases["save"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - Inductor raises many kinds
             if _is_restart(e):  # Dynamo's own signal to re-trace (a float it made dynamic must be
                 raise           # specialized): raised through a backend, Dynamo traces again
             what = "dynamic" if dynamic else f"size {size}"
             raise CompileError(f"Inductor failed to compile piece ({what}) into {out_dir}: "
                                f"{type(e).__name__}: {e}") from e
+        for name, spent in _timed_metrics().items():  # inside Inductor's own time, by step
+            if spent - timed.get(name, 0.0) > 0:
+                phases[f"inductor.{_METRICS[name]}"] = spent - timed.get(name, 0.0)
+        t = time.perf_counter()
         files = _kernel_files(Path(tmp))
         vals = inputs if not dynamic else with_real(static_example_inputs(inputs, _CHECK_TOKENS))
         note = wrapper.record_fast_path(art, vals, Path(tmp), files, out_dir / "wrapper.json",
                                         undefined_outputs(gm))
+        phases["fast-path check"] = time.perf_counter() - t
+        t = time.perf_counter()
         for rel in files:
             dst = kernel_root / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(Path(tmp) / rel, dst)
+        phases["copy kernels"] = time.perf_counter() - t
     _ours.compiles += 1
     return CompiledPiece(artifact, kernel_root, tuple(files), size, key,
-                         time.perf_counter() - t0, None if note else out_dir / "wrapper.json", note)
+                         time.perf_counter() - t0, None if note else out_dir / "wrapper.json", note,
+                         phases={k: round(v, 4) for k, v in phases.items()})
 
 

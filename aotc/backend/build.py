@@ -27,6 +27,7 @@ from aotc._torch import dynamo, inductor_compile
 from aotc._torch.ops import graph_returns_tuple, mutated_args
 from aotc.cache import workdirs
 from aotc.compile.pieces import piece_uid
+from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import SplitResult, split
 from aotc.compile.workers import compile_tasks, discard, merge_kernels, note_check_failed
 from aotc.errors import AotcError, NumericMismatchError
@@ -237,7 +238,9 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
             tempfile.TemporaryDirectory(prefix="run-", dir=claimed.path) as tmp:
         t = time.perf_counter()
         tasks = [(uid, size) for uid in first_of for size in shapes]
-        compiled = compile_tasks(None, first_of, tasks, claimed.path, progress, options=options)
+        shared = seed_from_store(store, claimed.path, tasks, factors)
+        compiled = compile_tasks(None, first_of, tasks, claimed.path, progress, options=options,
+                                 shared=shared)
         kernel_root = Path(tmp) / "kernels"
         kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
@@ -290,7 +293,8 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
             blobs[role] = kernel_root / rel
         metadata = {
             "kind": "graph", "pieces": len(parts.pieces), "unique_pieces": len(first_of),
-            "compiles": sum(not c.reused for c in compiled.values()),
+            "compiles": sum(not c.reused for c in compiled.values()), "shared": len(shared),
+            "shared_from": sorted(set(shared.values())),
             "shapes": ["dynamic" if s is None else str(s) for s in shapes], "numerics": numerics,
             "torch": factors["toolchain"].get("torch"), "device": program.device,
             "warnings": list(parts.warnings), "seconds": {k: round(v, 3) for k, v in seconds.items()},

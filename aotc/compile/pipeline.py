@@ -33,8 +33,10 @@ from aotc.lookup.toolchain import fingerprint, machine_factors
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runtime.runner import Runner
 from aotc.runtime.rehydrate import rehydrate
-from aotc.compile.workers import compile_tasks, discard, merge_kernels, note_check_failed, resumed_from
+from aotc.compile.workers import (compile_tasks, discard, merge_kernels, note_check_failed, profile,
+                                  resumed_from)
 from aotc.compile.pieces import trace_and_split
+from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import node_op_names
 
 
@@ -57,6 +59,8 @@ class CompileResult:
     store: str = ""
     resumed: int = 0  # piece compiles taken from an earlier, unfinished compile of the same key
     resumed_from: str = ""  # which: "an interrupted compile" or one whose numeric check failed
+    shared: int = 0  # piece compiles taken from other stored entries (aotc.compile.reuse)
+    profile: dict[str, float] = field(default_factory=dict)  # compile seconds by step, all pieces
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "hit": self.hit, "pieces": self.pieces,
@@ -64,7 +68,8 @@ class CompileResult:
                 "traces": self.traces, "seconds": self.seconds, "bytes_stored": self.bytes_stored,
                 "max_abs_err": self.max_abs_err, "numerics": self.numerics,
                 "warnings": list(self.warnings), "store": self.store, "resumed": self.resumed,
-                "resumed_from": self.resumed_from if self.resumed else None}
+                "resumed_from": self.resumed_from if self.resumed else None,
+                "shared": self.shared, "profile": self.profile}
 
 
 def check_sizes(manifest: Manifest) -> list[int]:
@@ -147,7 +152,9 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         kernel_root = Path(tmp) / "kernels"
         tasks = [(uid, size) for uid in first_of for size in shapes]
         reused_from = resumed_from(claimed.path)
-        compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs)
+        shared = {} if force else seed_from_store(store, claimed.path, tasks, factors)
+        compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs,
+                                 shared=shared)
         kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
         try:
@@ -193,11 +200,12 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         for rel, role in kernel_roles.items():
             blobs[role] = kernel_root / rel
         n_compiles = sum(not c.reused for c in compiled.values())
-        metadata = {
+        metadata = {"shared_from": sorted(set(shared.values())),
             "probe": compute_key(base), "pieces": len(parts.pieces), "unique_pieces": len(first_of),
             "compiles": n_compiles, "shapes": ["dynamic" if s is None else str(s) for s in shapes],
             "numerics": numerics, "torch": toolchain["toolchain"].get("torch"), "device": manifest.device,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "profile": profile(compiled.values()),
         }
         entry = store.put(key, manifest.name, blobs, factors=factors, metadata=metadata)
         seconds["store"] = time.perf_counter() - t
@@ -208,8 +216,8 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         unique_pieces=len(first_of), compiles=n_compiles, traces=1,
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
-        store=str(store.root), resumed=sum(c.reused for c in compiled.values()),
-        resumed_from=reused_from)
+        store=str(store.root), resumed=sum(c.reused for t, c in compiled.items() if t not in shared),
+        resumed_from=reused_from, shared=len(shared), profile=profile(compiled.values()))
 
 
 def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,

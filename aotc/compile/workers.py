@@ -71,7 +71,7 @@ def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> induc
         c = inductor_compile.CompiledPiece(
             out / d["artifact"], out / "kernels", tuple(d["kernel_files"]), d["size"], d["key"],
             float(d["seconds"]), None if d["wrapper"] is None else out / d["wrapper"],
-            str(d["wrapper_note"]), reused=True)
+            str(d["wrapper_note"]), reused=True, phases=dict(d.get("phases") or {}))
         for rel, n in d["sizes"].items():  # a file cut short (power loss, disk full): rebuild
             if (out / rel).stat().st_size != n:
                 raise ValueError(f"{rel} is not {n} bytes")
@@ -136,7 +136,7 @@ def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
         done = {"uid": uid, "size": size, "artifact": c.artifact.name,
                 "kernel_files": list(c.kernel_files), "key": c.key, "seconds": c.seconds,
                 "wrapper": None if c.wrapper is None else c.wrapper.name,
-                "wrapper_note": c.wrapper_note, "sizes": sizes}
+                "wrapper_note": c.wrapper_note, "sizes": sizes, "phases": c.phases}
         (result / "done.json").write_text(json.dumps(done))
         try:
             os.rename(result, out)
@@ -147,7 +147,7 @@ def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
     found = _reuse(work, uid, size)
     if found is None:
         raise CompileError(f"compiled piece {uid} vanished from {work} (removed by gc?); compile again")
-    return replace(found, reused=False, seconds=c.seconds)
+    return replace(found, reused=False, seconds=c.seconds, phases=c.phases)
 
 
 def _label(uid: str, size: int | None) -> str:
@@ -159,7 +159,7 @@ def _to_json(uid: str, c: inductor_compile.CompiledPiece) -> str:
                        "kernel_root": str(c.kernel_root), "kernel_files": list(c.kernel_files),
                        "key": c.key, "seconds": c.seconds,
                        "wrapper": None if c.wrapper is None else str(c.wrapper),
-                       "wrapper_note": c.wrapper_note, "reused": c.reused})
+                       "wrapper_note": c.wrapper_note, "reused": c.reused, "phases": c.phases})
 
 
 def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
@@ -167,15 +167,16 @@ def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
     return (d["uid"], d["size"]), inductor_compile.CompiledPiece(
         Path(d["artifact"]), Path(d["kernel_root"]), tuple(d["kernel_files"]), d["size"], d["key"],
         float(d["seconds"]), None if d.get("wrapper") is None else Path(d["wrapper"]),
-        str(d.get("wrapper_note", "")), bool(d.get("reused", False)))
+        str(d.get("wrapper_note", "")), bool(d.get("reused", False)), dict(d.get("phases") or {}))
 
 
 def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: list[Task], work: Path,
-                  progress: Progress, jobs: int = 1,
-                  options: dict[str, Any] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
+                  progress: Progress, jobs: int = 1, options: dict[str, Any] | None = None,
+                  shared: dict[Task, str] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
     """Compile every task; with ``jobs`` > 1, ``jobs - 1`` workers take a share each (workers
     re-trace the manifest's model: without a manifest — a graph the backend was handed — every
-    task compiles here). ``options``: Inductor patches (default: the manifest's)."""
+    task compiles here). ``options``: Inductor patches (default: the manifest's). ``shared``: the
+    tasks seeded from other stored entries (``aotc.compile.reuse``), for the progress line."""
     options = dict(manifest.inductor) if manifest is not None else dict(options or {})
     if manifest is None:
         jobs = 1
@@ -193,8 +194,11 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
     todo = [t for t in tasks if t not in reused]
     jobs = max(1, min(jobs, len(todo)))
     shares = [todo[i::jobs] for i in range(jobs)]
+    shared = shared or {}
+    resumed = len(set(reused) - set(shared))
     progress.step(0, total, "compiling" + (f" in {jobs} processes" if jobs > 1 else "")
-                  + (f", {len(reused)} reused from {resumed_from(work)}" if reused else ""))
+                  + (f", {len(shared)} taken from stored entries" if shared else "")
+                  + (f", {resumed} reused from {resumed_from(work)}" if resumed else ""))
     for task, c in reused.items():
         done(task, c)
     workers = [_Worker(manifest, share, work, done) for share in shares[1:]]  # type: ignore[arg-type]
@@ -206,6 +210,16 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
         for w in workers:
             w.kill()
     return results
+
+
+def profile(compiled: Any) -> dict[str, float]:
+    """Seconds by step (``CompiledPiece.phases``) summed over the pieces actually compiled."""
+    out: dict[str, float] = {}
+    for c in compiled:
+        if not c.reused:
+            for k, v in c.phases.items():
+                out[k] = round(out.get(k, 0.0) + v, 3)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def merge_kernels(compiled: Any, root: Path) -> set[str]:

@@ -55,9 +55,9 @@ def factory_path(manifest: Manifest) -> Iterator[None]:
 # ---------------------------------------------------------------- public entry points
 
 
-def load_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read, parse and validate the manifest file at ``path``; relative paths in it resolve
-    against its directory. Raises ``ManifestError`` (missing file, bad YAML, invalid field)."""
+def read_manifest_yaml(path: str | os.PathLike[str]) -> Any:
+    """The YAML document of a manifest file, read as safely as :func:`load_manifest` reads it
+    (UTF-8 only, alias bombs refused); a ``ManifestError`` for anything unreadable."""
     file, p = os.fspath(path), Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -67,7 +67,14 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         why = {errno.ENOENT: "no such file", errno.EISDIR: "is a directory"}.get(
             e.errno, f"cannot read it: {e.strerror}")
         raise ManifestError(file, "", f"{why}; pass the path of a model.yaml manifest") from None
-    data = load_yaml(text, file)
+    return load_yaml(text, file)
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read, parse and validate the manifest file at ``path``; relative paths in it resolve
+    against its directory. Raises ``ManifestError`` (missing file, bad YAML, invalid field)."""
+    file, p = os.fspath(path), Path(path)
+    data = read_manifest_yaml(path)
     if data is None:
         raise ManifestError(file, "", "the file is empty; a manifest needs at least name, model and inputs")
     p = p.resolve()
