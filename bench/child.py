@@ -74,6 +74,7 @@ def main() -> None:
 
     torch.set_num_threads(int(cfg["threads"]))
     phases = {"import_torch": time.perf_counter() - t0}
+    breakdown: dict = {}  # aotc-cold: the compile by phase and by step
     from aotc.model.build import build_model, by_name, make_inputs
     from aotc.manifest import load_manifest
 
@@ -99,8 +100,9 @@ def main() -> None:
         import aotc
 
         if mode == "aotc-cold":
-            aotc.compile(m, store=cfg["store"], force=True, jobs=int(cfg.get("aotc_jobs", 1)))
+            res = aotc.compile(m, store=cfg["store"], force=True, jobs=int(cfg.get("aotc_jobs", 1)))
             phases["aotc_compile"] = time.perf_counter() - t
+            breakdown = {"phases": res.seconds, "steps": res.profile, "compiles": res.compiles}
         t_load = time.perf_counter()
         fn = aotc.load(m, model=model, store=cfg["store"], remote=cfg.get("remote"))
         phases["aotc_load"] = time.perf_counter() - t_load
@@ -141,6 +143,7 @@ def main() -> None:
         "counters_first_output": at_first_output, "counters_end": _counters(),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "pulled_bytes": getattr(getattr(fn, "timings", None), "pulled_bytes", 0),
+        "compile_breakdown": breakdown,
     }))
 
 

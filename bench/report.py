@@ -107,7 +107,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"{s['counters']['inductor_compiles']} | {s['counters']['dynamo_frames']} |")
     r = results["ratios"]
     lines += ["", "Cold compile (aotc, s): " + ", ".join(
-        f"{k} {v:.1f}" for k, v in results["cold_compile_s"].items()), "",
+        f"{k} {v:.1f}" for k, v in results["cold_compile_s"].items()), ""]
+    b = results.get("cold_compile_breakdown")
+    if b:  # where a cold compile's time goes: the journey's phases, then the piece compiles by step
+        lines += ["Cold compile by phase (s): " + ", ".join(f"{k} {v:.1f}" for k, v in b["phases"].items())
+                  + f" · {b['compiles']} Inductor compiles, by step summed over them (s): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in b["steps"].items()), ""]
+    lines += [
         "| ratio | value |", "|---|---|",
         f"| aotc loader s (import aotc → runnable, excl. import torch and model build) | {_f(r['aotc_loader_s'], '.3f')} |",
         f"| aotc loader / aotc cold compile | {_f(r['aotc_loader_over_cold_compile'], '.4f')} |",

@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "steady_sizes": steady, "steady_iters": steady_iters, "quick": args.quick},
         "contenders": {k: summarize(v) for k, v in raw.items()},
         "raw": raw, "cold_compile_s": cold_compile, "steady_pair": bench.pair,
+        "cold_compile_breakdown": raw["aotc-cold"][-1].get("compile_breakdown") if raw.get("aotc-cold") else None,
         "pushes": bench.pushes,
         "bench_seconds": time.perf_counter() - t_start,
     }

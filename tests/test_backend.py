@@ -169,3 +169,34 @@ def test_a_bad_vllm_manifest_names_the_field(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     res = run_cli("compile", str(tmp_path / "m.yaml"), env={**python_env(), "AOTC_STORE": str(tmp_path / "s")})
     assert "vllm.max_model_len: must be a positive integer" in res.stderr
+
+
+def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path) -> None:
+    """An entry compiled here would be unsigned, so the policy would refuse it after minutes of
+    compiling: the backend says so at once, compiling nothing."""
+    import aotc
+    from aotc.counters import COUNTERS
+    from aotc.errors import TrustError
+    from aotc.fleet.trust import generate_key
+
+    public = generate_key(tmp_path / "signer")
+    fn = torch.compile(lambda x: torch.relu(x) * 2,
+                       backend=aotc.backend(store=str(tmp_path / "store"), trust=[public]))
+    before = COUNTERS.compiles
+    with pytest.raises(Exception) as e:
+        fn(torch.ones(3))
+    assert isinstance(e.value.__cause__ or e.value, TrustError) or "trust policy" in str(e.value)
+    assert COUNTERS.compiles == before
+
+
+def test_the_saved_record_names_an_absolute_store_and_loads_lazily(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    from aotc.backend.compiled import AotcCompiled
+    from aotc.cache import Store
+
+    monkeypatch.chdir(tmp_path)
+    f = AotcCompiled("ab" * 32, store=Store(tmp_path / "s"), remote="s3://b/p")
+    g = AotcCompiled.deserialize_compile_artifacts(AotcCompiled.serialize_compile_artifacts(f))
+    assert g.store == str((tmp_path / "s").resolve()) and g.remote == "s3://b/p"
+    assert g.runner is None and len(AotcCompiled.serialize_compile_artifacts(f)) < 300
+    assert AotcCompiled("cd" * 32, store="rel").store == str((tmp_path / "rel").resolve())

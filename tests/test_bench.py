@@ -28,6 +28,9 @@ def test_harness_runs_every_contender_and_writes_results(tmp_path) -> None:
         assert s["peak_rss_mb"] > 0
     c = saved["contenders"]
     assert c["aotc-warm"]["counters"]["inductor_compiles"] == 0
+    steps = saved["cold_compile_breakdown"]["steps"]  # the cold compile's profile, by step
+    assert steps["inductor"] > 0 and "fast-path check" in steps and "Cold compile by phase" in (
+        out / "latest.md").read_text()
     assert c["aotc-warm"]["counters"]["dynamo_frames"] == 0
     assert c["aotc-cold"]["counters"]["inductor_compiles"] > 0
     assert c["tc-cold"]["counters"]["inductor_compiles"] > 0

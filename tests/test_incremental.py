@@ -41,7 +41,8 @@ def test_adding_a_compile_size_compiles_only_that_size(compiled, one_more_size) 
     assert not res.hit and res.key != sibling.key
     assert res.compiles == 3 and res.shared == 3 * (1 + len(SIZES))  # 3 unique pieces at size 24
     assert "24" in res.numerics["sizes"] and set(res.numerics["sizes"]) >= {str(s) for s in SIZES}
-    assert store.get(res.key, record=False).metadata["shared_from"] == [sibling.key]
+    donors = set(store.get(res.key, record=False).metadata["shared_from"])
+    assert donors and donors <= {sibling.key, _results[4][1].key}  # the 2- or 4-layer entry
     before = counters_snapshot()
     runner = aotc.load(path, store=store)
     m = load_manifest(path)
@@ -73,7 +74,8 @@ def test_verify_repair_evicts_every_entry_sharing_a_damaged_piece(compiled, one_
     copy.close()
     env = python_env()
     out = run_cli("--store", str(tmp_path / "store"), "verify", "--repair", "--json", env=env)
-    assert out.returncode != 0 or "evicted" in out.stdout
+    report = json.loads(out.stdout)
+    assert report["repaired"] and {res.key, sibling.key} <= set(report["bad_keys"])
     left = set(Store(tmp_path / "store").keys())
     assert res.key not in left and sibling.key not in left
     again = run_cli("--store", str(tmp_path / "store"), "verify", env=env)

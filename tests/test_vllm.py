@@ -5,8 +5,10 @@ A tiny Llama written with ``save_pretrained`` (seeded random weights, safetensor
 Each engine runs in a fresh process (``aotc.vllm.generate``) with its own vLLM cache and Inductor
 cache directories; the runs are made once per session, in order, and shared by the tests. The
 engine runs in that one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ~10 s a start instead of
-~40 s on 2 cores) except in the warm run, which has vLLM's default engine and worker processes —
-the backend then runs in the spawned worker. ``make bench`` runs every start the default way.
+~40 s on 2 cores) except in the fresh-node run, which has vLLM's default engine and worker
+processes — the backend then runs in the spawned worker (vLLM's own AOT cache is keyed by the
+process layout too, so a kept cache only serves the same layout). ``make bench`` runs every
+start the default way.
 
 - eager: vLLM without compilation (the reference tokens);
 - cold: aotc backend, empty store, AOTC_REMOTE at the test S3 server (the entry is pushed);
@@ -84,14 +86,13 @@ class Lab:
             kw: dict[str, str] = {}
             if prior == "cold":
                 kw = {"AOTC_REMOTE": self.remote}
-            elif prior == "warm":  # vLLM's default process layout: the worker is spawned
-                kw = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
             elif prior == "kept":  # the warm run's vLLM cache, kept
                 kw = {"VLLM_CACHE_ROOT": self.runs["warm"]["env"]["VLLM_CACHE_ROOT"]}
             elif prior == "no-aot":
                 kw = {"VLLM_USE_AOT_COMPILE": "0"}
             elif prior == "node":
-                kw = {"AOTC_STORE": str(self.tmp / "node-store"), "AOTC_REMOTE": self.remote}
+                kw = {"AOTC_STORE": str(self.tmp / "node-store"), "AOTC_REMOTE": self.remote,
+                      "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default: a spawned worker
             self.run(prior, "eager" if prior == "eager" else "aotc", **kw)
         return self.runs[name]
 
@@ -117,7 +118,6 @@ def test_cold_then_warm_fresh_process_gives_eager_tokens_and_compiles_nothing(la
     assert _kernel_files(Path(env["TORCHINDUCTOR_CACHE_DIR"])) == []
     assert _kernel_files(Path(env["VLLM_CACHE_ROOT"])) == []  # vLLM's own inductor_cache there too
     assert "saved AOT compiled function" in warm["log"]  # Dynamo traced; vLLM saved its AOT file
-    assert "(Worker pid=" in warm["log"] and "(Worker pid=" not in cold["log"]  # the two layouts
 
 
 def test_a_kept_vllm_cache_calls_neither_dynamo_nor_the_backend(lab: Lab) -> None:
@@ -140,8 +140,9 @@ def test_a_fresh_node_pulls_the_entry_through_from_the_remote(lab: Lab) -> None:
     assert run["tokens"] == lab.runs["eager"]["tokens"]
     r = run["report"]
     assert [x["hit"] for x in r] == [True] and r[0]["pulled"] and r[0]["pulled_bytes"] > 0
-    assert r[0]["key"] == lab.runs["cold"]["report"][0]["key"]
+    assert r[0]["key"] == lab.runs["cold"]["report"][0]["key"]  # one key in either process layout
     assert (lab.tmp / "node-store").is_dir()
+    assert "(Worker pid=" in run["log"] and "(Worker pid=" not in lab.runs["cold"]["log"]
 
 
 def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(lab: Lab) -> None:
@@ -154,7 +155,9 @@ def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(l
     res = run_cli("--store", str(lab.store), "compile", str(manifest), "--json", env=env, timeout=900,
                   check=True)
     out = json.loads(res.stdout)
-    assert out["hit"] is False and out["key"] != cold_key and out["compiles"] == 3
+    # the first piece (embedding, norm, qkv, rope) does not see the MLP: taken from the first entry
+    assert out["hit"] is False and out["key"] != cold_key
+    assert out["compiles"] == 2 and out["shared"] == 1
     assert out["name"] == "tiny-llama-wider" and out["max_abs_err"] is not None
     listed = json.loads(run_cli("--store", str(lab.store), "inspect", "cache", "--json", env=env,
                                 check=True).stdout)

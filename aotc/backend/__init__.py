@@ -69,6 +69,7 @@ class AotcBackend:
         from aotc._torch import dynamo
         from aotc.backend.compiled import AotcCompiled, load_graph_program
         from aotc.cache import CacheMiss, StoreReadOnlyError
+        from aotc.errors import RemoteError, TrustError
         from aotc.fleet.trust import trust_policy
         from aotc.lookup.stores import open_store, split_store
         from aotc.progress import Progress
@@ -89,7 +90,8 @@ class AotcBackend:
         hit = store.has(key)
         if hit or remote is not None:
             try:
-                runner = load_graph_program(key, store, remote, tuple(trusted))
+                with dynamo.outside_trace():
+                    runner = load_graph_program(key, store, remote, tuple(trusted))
                 self._done(settings, {"key": key, "hit": True, "pulled": not hit,
                                       "pulled_bytes": runner.timings.pulled_bytes,
                                       "seconds": round(time.perf_counter() - t0, 3),
@@ -98,6 +100,15 @@ class AotcBackend:
             except CacheMiss:
                 if hit:
                     raise
+            except RemoteError as e:  # an unreachable or damaged remote: compile here instead
+                if hit:
+                    raise
+                print(f"aotc: warning: could not pull {key[:16]}… from {remote.url}: {e}; "
+                      "compiling it here", file=sys.stderr)
+        if trusted:  # an entry built here is unsigned: the policy would refuse it after the compile
+            raise TrustError(f"graph {key[:16]}… is in neither the store nor the remote, and a trust "
+                             "policy is set (AOTC_TRUST_KEYS / trust=): compile it where no policy "
+                             "is set, sign it (`aotc sign`) and push it")
         if store.read_only:
             raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
         quiet = not (settings.progress or sys.stderr.isatty())
@@ -116,7 +127,8 @@ class AotcBackend:
         self._done(settings, {"key": key, "hit": False, "pulled": False, "pushed": pushed,
                               "seconds": round(time.perf_counter() - t0, 3), "store": str(store.root),
                               "pieces": meta["pieces"], "unique_pieces": meta["unique_pieces"],
-                              "compiles": meta["compiles"], "numerics": meta["numerics"]})
+                              "compiles": meta["compiles"], "shared": meta.get("shared", 0),
+                              "numerics": meta["numerics"]})
         return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
 
 

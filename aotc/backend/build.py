@@ -122,7 +122,7 @@ def _at_size(gm: torch.fx.GraphModule, inputs: Sequence[Any], n: int | None) -> 
             shape = [inductor_compile.concrete_size(s, n) for s in val.shape]
             if any(want > have for want, have in zip(shape, x.shape)):
                 return None
-            out.append(x[tuple(slice(0, w) for w in shape)])
+            out.append(x[tuple(slice(0, w) for w in shape)].contiguous())  # strides as at n
         else:
             out.append(x)
     return out
@@ -236,6 +236,9 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         progress.note(w)
     with workdirs.claim(store.tmp_dir, key[:32]) as claimed, \
             tempfile.TemporaryDirectory(prefix="run-", dir=claimed.path) as tmp:
+        if store.has(key):  # a concurrent compile (another rank, replica) stored it meanwhile
+            claimed.finished()
+            return dict(store.get(key, record=False).metadata)
         t = time.perf_counter()
         tasks = [(uid, size) for uid in first_of for size in shapes]
         shared = seed_from_store(store, claimed.path, tasks, factors)

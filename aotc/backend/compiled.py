@@ -54,10 +54,44 @@ def load_graph_program(key: str, store: Any = None, remote: Any = None, trust: A
         timings.pulled_bytes = pulled.bytes_moved
         timings.add("pull", time.perf_counter() - t)
     entry = st.get(key)
+    _check_machine(entry, st)
     COUNTERS.cache_hits += 1
     program, by_uid = rehydrate_entry(entry, st, timings, entry.factors.get("inductor", {}).get("patches", {}),
                                       trusted)
     return GraphRunner(program, by_uid, key=key, timings=timings)
+
+
+def _check_machine(entry: Any, store: Any) -> None:
+    """An entry loaded by key alone (a saved AOT record) must have been built for this machine:
+    the same toolchain (compiler, CPU ISA or GPU, torch) and aotc compile logic. Otherwise a
+    ``LoadError``, and a framework that saved the record (vLLM) compiles again."""
+    from aotc.lookup.resolve import compile_logic_hash
+    from aotc.lookup.toolchain import machine_factors
+
+    device = str(entry.metadata.get("device") or "cpu")
+    mine = machine_factors(device, store.base / "toolchain")["toolchain"]
+    theirs = entry.factors.get("toolchain")
+    logic = (entry.factors.get("aotc") or {}).get("compile_logic")
+    if theirs != mine:
+        differ = sorted(k for k in set(mine) | set(theirs or {}) if (theirs or {}).get(k) != mine.get(k))
+        raise LoadError(f"stored graph {entry.key[:16]}… was built for another machine (toolchain "
+                        f"differs in {', '.join(differ[:4])}); compile it here")
+    if logic != compile_logic_hash():
+        raise LoadError(f"stored graph {entry.key[:16]}… was built by another aotc version; "
+                        "compile it again")
+
+
+def _location(store: Any) -> str | None:
+    """A store as the saved record names it: an absolute directory or an ``s3://`` URL."""
+    if store is None:
+        return None
+    root = getattr(store, "root", store)
+    text = str(getattr(root, "url", root))
+    if text.startswith("s3://"):
+        return text
+    from pathlib import Path
+
+    return str(Path(text).expanduser().resolve())
 
 
 class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]
@@ -68,8 +102,8 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]
     def __init__(self, key: str, runner: GraphRunner | None = None, store: Any = None,
                  remote: Any = None, trust: tuple[str, ...] = ()) -> None:
         self.key, self.runner = key, runner
-        self.store = None if store is None else str(store)
-        self.remote = None if remote is None else str(remote)
+        self.store = _location(store)
+        self.remote = None if remote is None else str(getattr(remote, "url", remote))
         self.trust = tuple(trust)
         self._lock = threading.Lock()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
+import types
 from typing import Any, Sequence
 
 import torch
@@ -29,7 +30,7 @@ import torch.fx
 from aotc._torch.ops import op_name, op_schema
 from aotc.errors import BackendError
 
-__all__ = ["graph_device", "graph_factors", "graph_signature"]
+__all__ = ["global_state", "graph_device", "graph_factors", "graph_signature"]
 
 _BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "c10d_functional"}
 
@@ -39,7 +40,9 @@ class _Canon:
 
     def __init__(self) -> None:
         self.symbols: dict[Any, str] = {}
+        self.ranges: dict[str, Any] = {}  # canonical symbol -> the range the shape env proved
         self.custom_ops: dict[str, str] = {}
+        self.functions: dict[str, str] = {}  # Python callables traced into the artifact -> digest
 
     def size(self, s: Any) -> Any:
         if not isinstance(s, torch.SymInt):
@@ -51,6 +54,9 @@ class _Canon:
         for f in sorted(expr.free_symbols, key=lambda x: str(x)):
             name = self.symbols.setdefault(f, f"S{len(self.symbols)}")
             mapping[f] = sympy.Symbol(name, integer=True)
+            if name not in self.ranges:  # Inductor uses the bounds (32-bit indexing, checks)
+                vr = s.node.shape_env.var_to_range.get(f)
+                self.ranges[name] = None if vr is None else [str(vr.lower), str(vr.upper)]
         return str(expr.xreplace(mapping))
 
     def placeholder(self, node: torch.fx.Node, example: Any) -> dict[str, Any]:
@@ -58,6 +64,11 @@ class _Canon:
         if isinstance(val, torch.SymInt):
             return {"kind": "symbol", "expr": self.size(val)}
         if isinstance(val, torch.Tensor):
+            kind = type(example) if isinstance(example, torch.Tensor) else torch.Tensor
+            sub = None if kind in (torch.Tensor, torch.nn.Parameter) else f"{kind.__module__}.{kind.__qualname__}"
+            if sub is not None and hasattr(example, "__tensor_flatten__"):
+                raise BackendError(f"graph input {node.name!r} is a tensor subclass ({sub}); its "
+                                   "inner state cannot be keyed yet: not supported by the aotc backend")
             return {"kind": "tensor", "dtype": str(val.dtype).removeprefix("torch."),
                     "shape": [self.size(d) for d in val.shape],
                     "stride": [self.size(d) for d in val.stride()],
@@ -75,6 +86,9 @@ class _Canon:
         if node.op in ("call_method", "call_module", "get_attr", "output"):
             return str(t) if node.op == "call_method" else ""
         name = op_name(t)
+        if name is not None and name.startswith("higher_order::triton_kernel"):
+            raise BackendError(f"graph node {node.name!r} calls a user Triton kernel; its source is "
+                               "not keyed yet: not supported by the aotc backend")
         if name is not None:
             ns = name.split("::", 1)[0]
             if ns not in _BUILTIN_NAMESPACES and name not in self.custom_ops:
@@ -87,7 +101,10 @@ class _Canon:
         if not qual or "<" in qual:
             raise BackendError(f"graph node {node.name!r} calls {t!r}, which has no stable name; "
                                "the graph cannot be keyed (make it a torch op or a module function)")
-        return f"{mod}.{qual}"
+        full = f"{mod}.{qual}"
+        if isinstance(t, types.FunctionType) and not mod.startswith(("torch", "operator", "math")):
+            self.functions[full] = _function_digest(t)  # traced into the artifact: its body counts
+        return full
 
     def const(self, a: Any, where: str) -> Any:
         if a is None or isinstance(a, (bool, int, str)):
@@ -119,12 +136,24 @@ class _Canon:
         return {"$repr": f"{type(a).__module__}.{type(a).__qualname__}:{text}"}
 
 
+def _function_digest(fn: Any) -> str:
+    """sha256 of a Python function's source (its bytecode and constants when there is none)."""
+    import inspect
+
+    try:
+        text = inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = fn.__code__
+        text = repr((code.co_code, [c for c in code.co_consts if not hasattr(c, "co_code")]))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _tensor_digest(t: torch.Tensor) -> str:
     if t.is_meta or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         return f"{t.dtype}:{list(t.shape)}:{type(t).__name__}"
     data = t.detach().cpu().contiguous()
     h = hashlib.sha256(f"{data.dtype}:{list(data.shape)}".encode())
-    h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return h.hexdigest()
 
 
@@ -185,7 +214,8 @@ def graph_signature(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> 
     """The canonical form itself (placeholders, nodes, custom op schemas) — what is hashed."""
     canon = _Canon()
     lines = _graph_lines(gm, canon, list(example_inputs))
-    return {"lines": lines, "custom_ops": dict(sorted(canon.custom_ops.items()))}
+    return {"lines": lines, "custom_ops": dict(sorted(canon.custom_ops.items())),
+            "ranges": canon.ranges, "functions": dict(sorted(canon.functions.items()))}
 
 
 def graph_factors(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict[str, Any]:
@@ -205,7 +235,23 @@ def graph_factors(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> di
         kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
     return {"nodes": digest(body), "inputs": digest(inputs), "n_nodes": len(body),
             "n_inputs": len(inputs), "input_kinds": dict(sorted(kinds.items())),
-            "custom_ops": sig["custom_ops"]}
+            "custom_ops": sig["custom_ops"], "symbol_ranges": sig["ranges"],
+            "functions": sig["functions"], "global": global_state()}
+
+
+def global_state() -> dict[str, Any]:
+    """The process state a graph is compiled under that Dynamo guards on but does not put in the
+    graph: autocast per device, the default dtype, deterministic algorithms, grad mode."""
+    state: dict[str, Any] = {"default_dtype": str(torch.get_default_dtype()),
+                             "deterministic": bool(torch.are_deterministic_algorithms_enabled()),
+                             "grad": bool(torch.is_grad_enabled())}
+    for dev in ("cpu", "cuda"):
+        try:
+            on = bool(torch.is_autocast_enabled(dev))
+            state[f"autocast_{dev}"] = str(torch.get_autocast_dtype(dev)) if on else None
+        except (TypeError, RuntimeError, AttributeError):  # an older torch: one global flag
+            state[f"autocast_{dev}"] = None
+    return state
 
 
 def graph_device(example_inputs: Sequence[Any]) -> str:

@@ -41,9 +41,12 @@ def _check_splitting_ops(manifest: Manifest, gm: Any, pieces: int) -> None:
 
 
 def piece_uid(piece: Piece, options: dict[str, Any]) -> str:
-    """16 hex chars of the sha256 of Inductor's dynamic-shape cache key of ``piece``."""
+    """16 hex chars of the sha256 of Inductor's dynamic-shape cache key of ``piece`` (the first
+    one ``x`` when the key is aotc's structural fallback: ``aotc.compile.reuse`` skips those)."""
     full = inductor_compile.piece_cache_key(piece.gm, list(piece.example_inputs), True, options=options)
-    return hashlib.sha256(full.encode()).hexdigest()[:16]
+    uid = hashlib.sha256(full.encode()).hexdigest()[:16]
+    # "x…": keyed by aotc's structural fallback, not Inductor's key: never shared across entries
+    return "x" + uid[1:] if full.startswith("aotc-") else uid
 
 
 def trace_and_split(manifest: Manifest, progress: Progress | None = None,

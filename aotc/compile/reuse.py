@@ -72,7 +72,11 @@ def seed_from_store(store: Store, work: Path, tasks: list[tuple[str, int | None]
     """For each task without a finished result in ``work``, extract it from a compatible stored
     entry (module doc). Returns the tasks seeded, each with the key of the entry it came from."""
     seeded: dict[tuple[str, int | None], str] = {}
+    if (work / "check-failed.txt").is_file():  # an earlier attempt failed its check: build anew
+        return seeded
     for uid, size in tasks:
+        if uid.startswith("x"):  # not keyed by Inductor: the id alone does not prove the same compile
+            continue
         out = work / f"{uid}-{size or 'dyn'}"
         if (out / "done.json").is_file():
             continue

@@ -75,11 +75,17 @@ def run_fresh(spec: dict[str, Any], env: dict[str, str] | None = None, timeout: 
         spec_file.write_text(json.dumps(spec))
         log = log or Path(tmp) / "engine.log"
         with open(log, "w") as f:
-            try:
-                rc = subprocess.run([sys.executable, "-m", "aotc.vllm.generate", str(spec_file),
+            proc = subprocess.Popen([sys.executable, "-m", "aotc.vllm.generate", str(spec_file),
                                      str(out_file)], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    timeout=timeout).returncode
+                                    start_new_session=True)  # its engine processes: one group
+            try:
+                rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired as e:
+                import os
+                import signal
+
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 raise VllmError(f"the vLLM engine did not finish in {timeout:.0f}s (log: {log})") from e
         if rc != 0 or not out_file.is_file():
             tail = " | ".join(Path(log).read_text(errors="replace").strip().splitlines()[-4:])

@@ -32,7 +32,7 @@ from aotc.manifest import read_manifest_yaml
 
 __all__ = ["VllmManifest", "compile_vllm", "is_vllm_manifest", "load_vllm_manifest"]
 
-_TOP = {"name", "vllm", "compile_sizes", "splitting_ops", "store", "tolerance"}
+_TOP = {"name", "vllm", "compile_sizes", "splitting_ops", "store"}
 _VLLM = {"model", "dtype", "max_model_len", "max_num_batched_tokens", "engine_args"}
 
 
@@ -163,4 +163,4 @@ def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
                  "backend": round(sum(x["seconds"] for x in lines), 3)},
         bytes_stored=0 if hit else entry.stored_size,
         max_abs_err=meta.get("numerics", {}).get("max_abs_err"), numerics=meta.get("numerics", {}),
-        store=str(store.root))
+        store=str(store.root), shared=sum(int(x.get("shared", 0)) for x in lines))
