@@ -41,7 +41,7 @@ ROOT = HERE.parent
 from bench.report import markdown, ratios_and_targets
 
 CONTENDERS = ("eager", "tc-cold", "tc-warm", "tc-mega", "aotc-cold", "aotc-warm", "aotc-remote")
-SIZE_SETS = {1: [16], 5: [1, 2, 4, 8, 16], 10: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
+SIZE_SETS = {0: [], 1: [16], 5: [1, 2, 4, 8, 16], 10: [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
 
 
 def write_manifest(tmp: Path, layers: int, n_sizes: int, hidden: int) -> Path:
@@ -241,6 +241,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raw = bench.contenders(only)
         cold_compile: dict[str, float] = {f"{layers}L-{n_sizes}s": statistics.median(
             r["phases"]["aotc_compile"] for r in raw["aotc-cold"])}
+        if n_sizes:  # the dynamic artifact alone (the cold compile's fixed part), quick run too
+            say(f"== aotc cold compile, {layers} layers, dynamic only ==")
+            b = Bench(write_manifest(work, layers, 0, args.hidden), work, 1, args.threads, [], 1)
+            r = b.contenders(("aotc-cold",))["aotc-cold"][0]
+            cold_compile[f"{layers}L-0s"] = r["phases"]["aotc_compile"]
         if scaling:
             # depth at 1 compile size (what grows with depth is tracing, not the compiles: 1 size
             # shows it as well as 5 and keeps `make bench` under 20 min), sizes at 8 layers

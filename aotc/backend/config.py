@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from aotc.errors import BackendError
 from aotc.settings import Settings
 
-__all__ = ["DEFAULT_SPLITTING_OPS", "BackendConfig"]
+__all__ = ["DEFAULT_INDUCTOR", "DEFAULT_SPLITTING_OPS", "BackendConfig"]
 
 # vLLM 0.32's graph calls both of its ops per layer (KV cache write, then attention into an
 # output buffer); older vLLM calls unified_attention; plain models reach SDPA; aotc's toy models
@@ -23,6 +23,11 @@ DEFAULT_SPLITTING_OPS = (
     "aten::scaled_dot_product_attention",
     "aotc::attention",
 )
+
+
+# Inductor patches the backend compiles with unless given others: kernels read the thread count
+# at run time (a server binds its worker to fewer cores than the compile saw: vLLM's CPU worker)
+DEFAULT_INDUCTOR: dict[str, Any] = {"cpp.dynamic_threads": True}
 
 
 def _sizes(value: Any, where: str) -> tuple[int, ...]:
@@ -62,7 +67,7 @@ class BackendConfig:
     atol: float = 1e-4
     rtol: float = 1e-4
     tolerance_set: bool = False
-    inductor: dict[str, Any] = field(default_factory=dict)
+    inductor: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_INDUCTOR))
     name: str = "torch.compile"
 
     @classmethod
@@ -95,7 +100,8 @@ class BackendConfig:
                    splitting_ops=None if splitting_ops is None else _ops(splitting_ops, "aotc.backend(splitting_ops=…)"),
                    compile_sizes=None if compile_sizes is None else _sizes(compile_sizes, "aotc.backend(compile_sizes=…)"),
                    atol=atol, rtol=rtol, tolerance_set=tolerance is not None,
-                   inductor=dict(inductor or {}), name=name or "torch.compile")
+                   inductor=dict(DEFAULT_INDUCTOR if inductor is None else inductor),
+                   name=name or "torch.compile")
 
     def ops(self, settings: Settings) -> tuple[str, ...]:
         """The splitting ops: given, else ``AOTC_SPLITTING_OPS``, else the defaults."""
