@@ -278,9 +278,13 @@ def compile_piece(
     options: dict[str, Any] | None = None,
     tmp_root: Path | None = None,
     real_inputs: dict[int, Any] | None = None,
+    key: str | None = None,
 ) -> CompiledPiece:
     """Compile one piece with Inductor and save it under ``out_dir``.
 
+    ``key``: the record's name for this compile when the caller has one (the unique-piece id
+    and size); otherwise :func:`piece_cache_key` is computed — an AOTAutograd trace of the
+    piece, ~30% of a small piece's compile, so the compile journey passes its own.
     ``real_inputs``: real values for some input positions (a graph input of fixed shape: a
     weight, vLLM's prepacked oneDNN handle — a 0-d int64 tensor no zero may stand in for), used
     wherever a real value is needed: the static compile's inputs and the fast-path check's.
@@ -307,7 +311,8 @@ def compile_piece(
     inputs = list(example_inputs) if dynamic else with_real(static_example_inputs(example_inputs, size))
     mode = "from_graph" if dynamic else "from_example_inputs"
     t0 = t_key = time.perf_counter()
-    key = piece_cache_key(gm, inputs, dynamic, options=options)
+    if key is None:
+        key = piece_cache_key(gm, inputs, dynamic, options=options)
     probes = _isa_probe_files()
     with tempfile.TemporaryDirectory(prefix="aotc-inductor-", dir=tmp_root) as tmp:
         for rel, src in probes.items():  # seed: the ISA check at compile and load finds them

@@ -123,7 +123,8 @@ def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=work))
     try:
         c = inductor_compile.compile_piece(piece.gm, list(piece.example_inputs), size, partial / "result",
-                                           options, tmp_root=partial, real_inputs=piece.real_inputs)
+                                           options, tmp_root=partial, real_inputs=piece.real_inputs,
+                                           key=f"{uid}:{size or 'dynamic'}")
         result = partial / "result"
         files = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
         if c.wrapper is not None:
