@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
 __all__ = [
     "CompiledPiece", "compile_piece", "keep_isa_probes", "kept_isa_probes", "piece_cache_key",
-    "static_example_inputs",
+    "static_example_inputs", "warm_isa_probes",
 ]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
@@ -46,7 +47,24 @@ _probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see _isa
 _PROBE_SCRIPT = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
 
 
+_PROBE_LOCK = threading.Lock()
+
+
+def warm_isa_probes() -> threading.Thread:
+    """Build (or find) the ISA probe libraries in a background thread now — ~12 s on 2 cores the
+    first time on a toolchain, mostly a child process — so it overlaps the model's build and
+    trace; ``join()`` it before starting workers, which then read the kept copy."""
+    t = threading.Thread(target=_isa_probe_files, name="aotc-isa-probe", daemon=True)
+    t.start()
+    return t
+
+
 def _isa_probe_files() -> dict[str, Path]:
+    with _PROBE_LOCK:
+        return _isa_probe_files_locked()
+
+
+def _isa_probe_files_locked() -> dict[str, Path]:
     """The vector-ISA probe libraries Inductor builds in its cache dir (relative path -> file).
 
     Inductor checks each CPU ISA once per process by compiling a tiny program into the cache dir
