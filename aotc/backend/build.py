@@ -29,7 +29,8 @@ from aotc.cache import workdirs
 from aotc.compile.pieces import piece_uid
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import SplitResult, split
-from aotc.compile.workers import compile_tasks, discard, merge_kernels, note_check_failed
+from aotc.compile.workers import (artifact_files, compile_tasks, discard, merge_kernels,
+                                  note_check_failed)
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
@@ -266,12 +267,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
             artifacts=tuple(artifacts), kernel_roles=kernel_roles, compile_sizes=tuple(sizes if dynamic else ()),
             capture_sizes=(), max_tokens=0, dynamic_mode="backed" if dynamic else "static",
             min_dynamic_tokens=1, source_files={})
-        files: dict[str, Any] = {}
-        for a in artifacts:
-            c = compiled[(a.uid, a.size)]
-            files[a.role] = c.artifact
-            if a.wrapper_role and c.wrapper is not None:
-                files[a.wrapper_role] = c.wrapper
+        files: dict[str, Any] = dict(artifact_files(artifacts, compiled))
         try:
             progress.phase("check", "reload the artifacts, compare with the graph run eagerly")
             with dynamo.outside_trace():

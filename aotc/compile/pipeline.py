@@ -33,8 +33,8 @@ from aotc.lookup.toolchain import fingerprint, machine_factors
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runtime.runner import Runner
 from aotc.runtime.rehydrate import rehydrate
-from aotc.compile.workers import (compile_tasks, discard, merge_kernels, note_check_failed, profile,
-                                  resumed_from)
+from aotc.compile.workers import (artifact_files, compile_tasks, discard, merge_kernels,
+                                  note_check_failed, profile, resumed_from)
 from aotc.compile.pieces import trace_and_split
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import node_op_names
@@ -182,7 +182,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
                 min_dynamic_tokens=_min_dynamic(captured),
                 source_files=code, output=_plain_output(manifest.model.output),
             )
-            files = _artifact_files(artifacts, compiled)
+            files = artifact_files(artifacts, compiled)
             # reload exactly what will be stored, as the loader will
             by_uid = rehydrate(program, files, kernel_root, dict(manifest.inductor))
             runner = Runner(program, by_uid, model)
@@ -240,17 +240,6 @@ def _wrapper_role(c: inductor_compile.CompiledPiece, uid: str, size: int | None,
                         f"(slower): {c.wrapper_note}")
         return None
     return f"wrapper/{uid}/{size or 'dynamic'}"
-
-
-def _artifact_files(artifacts: list[ArtifactRecord],
-                    compiled: dict[Any, inductor_compile.CompiledPiece]) -> dict[str, Path]:
-    files: dict[str, Path] = {}
-    for a in artifacts:
-        c = compiled[(a.uid, a.size)]
-        files[a.role] = c.artifact
-        if a.wrapper_role and c.wrapper is not None:
-            files[a.wrapper_role] = c.wrapper
-    return files
 
 
 def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:

@@ -223,6 +223,17 @@ def profile(compiled: Any) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def artifact_files(artifacts: Any, compiled: dict[Task, inductor_compile.CompiledPiece]) -> dict[str, Path]:
+    """Blob role -> file of every artifact record (``ArtifactRecord``) and its fast-path record."""
+    files: dict[str, Path] = {}
+    for a in artifacts:
+        c = compiled[(a.uid, a.size)]
+        files[a.role] = c.artifact
+        if a.wrapper_role and c.wrapper is not None:
+            files[a.wrapper_role] = c.wrapper
+    return files
+
+
 def merge_kernels(compiled: Any, root: Path) -> set[str]:
     """Gather the kernel files of every compiled piece (``CompiledPiece`` values) under one root;
     Inductor's paths are content-addressed, so one relative path always holds the same bytes.
