@@ -39,7 +39,7 @@ from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
 __all__ = [
     "CompiledPiece", "compile_piece", "keep_isa_probes", "kept_isa_probes", "piece_cache_key",
-    "static_example_inputs", "warm_isa_probes",
+    "static_example_inputs",
 ]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
@@ -48,15 +48,6 @@ _PROBE_SCRIPT = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pic
 
 
 _PROBE_LOCK = threading.Lock()
-
-
-def warm_isa_probes() -> threading.Thread:
-    """Build (or find) the ISA probe libraries in a background thread now — ~12 s on 2 cores the
-    first time on a toolchain, mostly a child process — so it overlaps the model's build and
-    trace; ``join()`` it before starting workers, which then read the kept copy."""
-    t = threading.Thread(target=_isa_probe_files, name="aotc-isa-probe", daemon=True)
-    t.start()
-    return t
 
 
 def _isa_probe_files() -> dict[str, Path]:

@@ -129,7 +129,6 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
-    probes = inductor_compile.warm_isa_probes()  # a miss: the ISA probe overlaps build and trace
 
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts, uid_of, first_of, warnings = (
@@ -154,7 +153,6 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         tasks = [(uid, size) for uid in first_of for size in shapes]
         reused_from = resumed_from(claimed.path)
         shared = {} if force else seed_from_store(store, claimed.path, tasks, factors)
-        probes.join()  # the workers read the kept probes instead of building their own
         compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs,
                                  shared=shared)
         kernel_files = merge_kernels(compiled.values(), kernel_root)
