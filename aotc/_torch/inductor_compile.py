@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,35 +33,33 @@ from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
 from aotc._torch import wrapper
 from aotc._torch.inductor_facts import _config_patch
-from aotc._torch.inductor_load import inductor_cache_dir, kernel_files as _kernel_files
+from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
+                                       kernel_files as _kernel_files)
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
 __all__ = [
-    "CompiledPiece", "compile_piece", "keep_isa_probes", "kept_isa_probes", "piece_cache_key",
+    "CompiledPiece", "compile_piece", "keep_isa_probes", "kept_isa_probes", "machine_isa_probe_dir",
+    "piece_cache_key",
     "static_example_inputs",
 ]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
 _probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see _isa_probe_files)
-_PROBE_SCRIPT = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
-
-
-_PROBE_LOCK = threading.Lock()
+# the probes a compile with ``cpp.vec_isa_ok`` runs (the ISA extensions: ~1.5 s, not ~10 s)
+_PROBE_SCRIPT = ("from torch._inductor import config; config.cpp.vec_isa_ok = True; "
+                 "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())")
 
 
 def _isa_probe_files() -> dict[str, Path]:
-    with _PROBE_LOCK:
-        return _isa_probe_files_locked()
-
-
-def _isa_probe_files_locked() -> dict[str, Path]:
     """The vector-ISA probe libraries Inductor builds in its cache dir (relative path -> file).
 
-    Inductor checks each CPU ISA once per process by compiling a tiny program into the cache dir
+    Inductor checks the CPU's ISA extensions (AVX512-BF16, VNNI, AMX; the base ISAs are trusted,
+    ``cpp.vec_isa_ok``) once per process by compiling a tiny program into the cache dir
     (``cpu_vec_isa.VecISA.check_build``) and skips the compiler when that library already exists.
     Its per-process memo means a compile only writes them the first time, so they are produced
-    here once per process in a cold child process and seeded into every compile's cache dir
-    (hence shipped with every piece). Empty if the probe cannot run.
+    here once per process (or per store and toolchain, :func:`keep_isa_probes`) in a cold child
+    process and seeded into every compile's cache dir (hence shipped with every piece, so a load
+    never compiles them). Empty if the probe cannot run.
     """
     kept: Path | None = _probe.get("keep")
     files = _probe.get("files")
@@ -93,8 +90,18 @@ def _isa_probe_files_locked() -> dict[str, Path]:
 def keep_isa_probes(directory: Path) -> None:
     """Keep the ISA probe libraries in ``directory`` (per toolchain fingerprint, so any change of
     compiler, torch or CPU gives another) and reuse them in later processes: the probe compiles
-    several programs (5-8 s on 2 cores) on every compile otherwise."""
+    a few programs (~1.5 s on 2 cores) in every compiling process otherwise."""
     _probe["keep"] = Path(directory)
+
+
+def machine_isa_probe_dir(fingerprint: str) -> Path:
+    """Where this machine keeps the ISA probe libraries of one toolchain (``fingerprint``, see
+    ``aotc.lookup.toolchain.fingerprint``): beside Inductor's own machine-wide files (its
+    precompiled headers) in its default cache dir, ``$TMPDIR/torchinductor_$USER``, so every
+    store and every process on the machine builds them once."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(default_cache_dir()) / "aotc-isa-probes" / fingerprint[:32]
 
 
 def kept_isa_probes() -> Path | None:
@@ -330,7 +337,8 @@ def compile_piece(
         phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
         timed = _timed_metrics()
         try:
-            with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options):
+            with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options, compiling=True), \
+                    in_process_isa_probes():
                 t = time.perf_counter()
                 art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
                 phases["inductor"] = time.perf_counter() - t

@@ -20,7 +20,7 @@ from aotc.errors import LoadError
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.scoped_env import scoped_env
 
-__all__ = ["inductor_cache_dir", "kernel_files", "load_piece", "load_pieces"]
+__all__ = ["in_process_isa_probes", "inductor_cache_dir", "kernel_files", "load_piece", "load_pieces"]
 
 # Files in a compile-time cache dir worth shipping: binaries Inductor checks for by path.
 _KERNEL_SUFFIXES = (".so", ".o", ".cubin", ".hsaco", ".ptx", ".json", ".llir", ".ttir", ".ttgir")
@@ -79,8 +79,8 @@ def load_piece(
 
 
 @contextlib.contextmanager
-def _in_process_isa_probes() -> Iterator[None]:
-    """While loading: answer Inductor's ISA-extension probes (AVX512-BF16, VNNI, AMX …) by
+def in_process_isa_probes() -> Iterator[None]:
+    """While loading or compiling: answer Inductor's ISA-extension probes (AVX512-BF16, VNNI, AMX …) by
     dlopen-ing the shipped probe library in this process instead of in a child Python per probe
     (6 children, ~1.2 s here). The libraries were built for this key's march/ISA and are only
     loaded, never called. Torch 2.11–2.13: ``VecISA._probe_load(self, path) -> bool``."""
@@ -110,6 +110,33 @@ def _in_process_isa_probes() -> Iterator[None]:
         VecISA._probe_load = original  # type: ignore[method-assign]
 
 
+# where a load's kernel builds would find the precompiled header: nowhere (see _no_header_builds)
+_NO_HEADER = "/nonexistent/aotc-loads-build-nothing.h"
+
+
+@contextlib.contextmanager
+def _no_header_builds() -> Iterator[None]:
+    """While loading: Inductor's ``codecache._precompile_header`` (torch 2.11–2.13) preprocesses
+    and hashes its ~150 MB C++ header — building it when missing — before it looks for the
+    kernel, which is shipped and found by name (the header's flag is in the name, not its path).
+    Answer it with a path that does not exist instead: nothing is preprocessed, and a kernel that
+    would be built after all fails loudly instead of running the compiler at load."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    original = getattr(codecache, "_precompile_header", None)
+    if original is None:
+        yield
+        return
+    codecache._precompile_header = lambda *args, **kwargs: _NO_HEADER  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        codecache._precompile_header = original  # type: ignore[attr-defined]
+
+
 def load_pieces(
     artifact_files: Sequence[Path], kernel_root: Path, *, options: dict[str, Any] | None = None
 ) -> list[Callable[..., list[torch.Tensor]]]:
@@ -121,7 +148,8 @@ def load_pieces(
     # trust the CPU flags at load instead of Inductor re-probing each ISA by compiling and
     # dlopen-ing a test library in a child Python (10 subprocesses, ~2 s here).
     load_config = {"cpp.vec_isa_ok": True, **dict(options or {})}
-    with inductor_cache_dir(kernel_root), _config_patch(load_config), _in_process_isa_probes():
+    with inductor_cache_dir(kernel_root), _config_patch(load_config), in_process_isa_probes(), \
+            _no_header_builds():
         for artifact_file in map(Path, artifact_files):
             if not artifact_file.is_file():
                 raise LoadError(f"{artifact_file}: compiled artifact missing")

@@ -28,13 +28,14 @@ from aotc._torch.ops import graph_returns_tuple, mutated_args
 from aotc.cache import workdirs
 from aotc.compile.pieces import piece_uid
 from aotc.compile.reuse import seed_from_store
-from aotc.compile.split import SplitResult, split
+from aotc.compile.split import SplitResult, split, splitting_op_of
 from aotc.compile.workers import (artifact_files, compile_tasks, discard, merge_kernels,
                                   note_check_failed)
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
 from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
+from aotc.lookup.toolchain import fingerprint
 from aotc.runtime.checking import flat_tensors, same, tensor_errors
 from aotc.runtime.graphcall import GraphRunner
 from aotc.runtime.rehydrate import rehydrate
@@ -221,6 +222,8 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     entry's metadata. Nothing is stored when a step fails."""
     seconds: dict[str, float] = {}
     t = time.perf_counter()
+    device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
+    inductor_compile.keep_isa_probes(inductor_compile.machine_isa_probe_dir(fingerprint(device)))
     parts = _with_real_inputs(split(gm, list(ops)), example_inputs)
     uid_of: dict[str, str] = {}
     first_of: dict[str, Any] = {}
@@ -255,14 +258,13 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
                      for (uid, size) in tasks]
         kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
         program = Program(
-            name=name, device=str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)),
-                                       "cpu")),
+            name=name, device=device,
             dtype=str(_float_dtype(example_inputs)).removeprefix("torch."), slots=slots, inputs=(),
             stitch=encode_graph(parts.stitch),
             pieces=tuple(PieceRecord(p.name, "compiled", uid=uid_of[p.name],
                                      returns_tuple=graph_returns_tuple(p.gm)) if not p.is_splitting
                          else PieceRecord(p.name, "splitting", graph=encode_graph(p.gm),
-                                          op=_op_of(p.gm, ops))
+                                          op=splitting_op_of(p.gm))
                          for p in parts.pieces),
             artifacts=tuple(artifacts), kernel_roles=kernel_roles, compile_sizes=tuple(sizes if dynamic else ()),
             capture_sizes=(), max_tokens=0, dynamic_mode="backed" if dynamic else "static",
@@ -303,13 +305,3 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         claimed.finished()
     progress.phase("stored", f"key {key[:16]}… ({entry.stored_size} bytes in {len(entry.blobs)} blobs)")
     return metadata
-
-
-def _op_of(gm: torch.fx.GraphModule, ops: Sequence[str]) -> str:
-    from aotc.compile.split import node_op_names
-
-    for node in gm.graph.nodes:
-        for n in sorted(node_op_names(node)):
-            if "::" in n:
-                return n
-    return "?"

@@ -37,7 +37,7 @@ from aotc.compile.workers import (artifact_files, compile_tasks, discard, merge_
                                   note_check_failed, profile, resumed_from)
 from aotc.compile.pieces import trace_and_split
 from aotc.compile.reuse import seed_from_store
-from aotc.compile.split import node_op_names
+from aotc.compile.split import splitting_op_of
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
     base = base_factors(manifest, toolchain)
-    inductor_compile.keep_isa_probes(store.base / "toolchain" / f"isa-{fingerprint(manifest.device)[:32]}")
+    inductor_compile.keep_isa_probes(inductor_compile.machine_isa_probe_dir(fingerprint(manifest.device)))
     if not force:
         found = resolve(manifest, store, toolchain, record=False)
         if found.entry is not None:
@@ -172,7 +172,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
                 pieces=tuple(
                     PieceRecord(p.name, "compiled", uid=uid_of[p.name],
                                 returns_tuple=graph_returns_tuple(p.gm)) if not p.is_splitting else
-                    PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=_op_of(p.gm, manifest))
+                    PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=splitting_op_of(p.gm))
                     for p in parts.pieces),
                 artifacts=tuple(artifacts), kernel_roles=kernel_roles,
                 compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
@@ -257,15 +257,6 @@ def _input_dict(s: Any) -> dict[str, Any]:
     if s.fill == "random" and s.dtype.startswith("int"):  # the valid range (a vocab), for errors
         d.update(low=s.low, high=s.high)
     return d
-
-
-def _op_of(gm: Any, manifest: Manifest) -> str:
-    for node in gm.graph.nodes:
-        names = node_op_names(node)
-        for n in sorted(names):
-            if "::" in n:
-                return n
-    return "?"
 
 
 def _min_dynamic(captured: Any) -> int:

@@ -26,7 +26,7 @@ from torch.fx.passes.split_module import split_module
 from aotc.errors import SplitError
 from aotc._torch.ops import op_name
 
-__all__ = ["Piece", "SplitResult", "node_op_names", "split"]
+__all__ = ["Piece", "SplitResult", "node_op_names", "split", "splitting_op_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,15 @@ def node_op_names(node: torch.fx.Node) -> set[str]:
                 if hasattr(torch.ops.aten, fn):
                     names.add(f"aten::{fn}")
     return names
+
+
+def splitting_op_of(gm: torch.fx.GraphModule) -> str:
+    """The operator name (``ns::op…``) of a splitting piece's op, for its record ("?": none)."""
+    for node in gm.graph.nodes:
+        for n in sorted(node_op_names(node)):
+            if "::" in n:
+                return n
+    return "?"
 
 
 def _example(node: Any) -> Any:
