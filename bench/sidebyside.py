@@ -8,7 +8,7 @@
 
 Every start is a fresh interpreter (bench/child.py) timed from its spawn to its first output
 tensor, with the same model, weights, first input (7 tokens) and thread count. Contenders:
-eager; torch.compile cold (empty Inductor cache dir) and warm (the same dir, hot); torch.compile
+eager; torch.compile cold (empty Inductor cache and temp dirs) and warm (the same dirs, hot); torch.compile
 with Mega-Cache (artifacts saved by a cold run, loaded into an empty cache dir); aotc cold
 (``aotc compile -j THREADS`` into an empty store, then load) and warm (load from that store); aotc
 remote (that store pushed to an S3-compatible server — moto's, on loopback — then a load into an
@@ -73,8 +73,9 @@ class Bench:
     """One configuration's contenders, each run ``runs`` times in fresh processes."""
 
     def __init__(self, manifest: Path, work: Path, runs: int, threads: int,
-                 steady_sizes: list[int], steady_iters: int) -> None:
+                 steady_sizes: list[int], steady_iters: int, machine_tmp: Path | None = None) -> None:
         self.manifest, self.work, self.runs, self.threads = manifest, work, runs, threads
+        self.machine_tmp = machine_tmp  # one $TMPDIR for every start (--warm-machine)
         self.steady_sizes, self.steady_iters = steady_sizes, steady_iters
         self.pair: dict[str, Any] = {}  # the paired steady-state measurement (steady-pair)
         self.remote: str | None = None  # s3://bucket when the aotc-remote contender runs
@@ -90,8 +91,12 @@ class Bench:
                 "aotc_jobs": self.threads, **extra}  # `aotc compile -j`: Inductor's workers too
 
     def _env(self, inductor_dir: Path) -> dict[str, str]:
+        # the temp dir goes with the cache dir: Inductor keeps its machine-wide precompiled C++
+        # headers (and aotc its ISA probe libraries) under $TMPDIR, so "cold" is cold there too
+        tmp = self.machine_tmp or inductor_dir / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
         return dict(self.base_env, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
-                    TRITON_CACHE_DIR=str(inductor_dir / "triton"))
+                    TRITON_CACHE_DIR=str(inductor_dir / "triton"), TMPDIR=str(tmp))
 
     def _fresh(self, name: str) -> Path:
         path = self.work / name
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steady", default="1,16,256", help="steady-state token counts")
     ap.add_argument("--steady-iters", type=int, default=None)
     ap.add_argument("--no-scaling", action="store_true")
+    ap.add_argument("--warm-machine", action="store_true",
+                    help="every start keeps this machine's temp dir: Inductor's precompiled headers "
+                         "and aotc's ISA probes as an earlier compile left them (a build machine's "
+                         "second model), not fresh per cold start")
     ap.add_argument("--only", default=",".join(CONTENDERS),
                     help="comma-separated contenders to run (default: all)")
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -234,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="aotc-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         main_manifest = write_manifest(work, layers, n_sizes, args.hidden)
-        bench = Bench(main_manifest, work, runs, args.threads, steady, steady_iters)
+        machine_tmp = Path(tempfile.gettempdir()) if args.warm_machine else None
+        bench = Bench(main_manifest, work, runs, args.threads, steady, steady_iters, machine_tmp)
         if "aotc-remote" in only:
             bench.remote = stack.enter_context(remote_store(work, bench.base_env))
         say(f"== contenders: toy-llama {layers} layers, {n_sizes} compile sizes, {runs} run(s) ==")
@@ -243,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r["phases"]["aotc_compile"] for r in raw["aotc-cold"])}
         if n_sizes and (scaling or args.quick):  # the dynamic artifact alone (the fixed part)
             say(f"== aotc cold compile, {layers} layers, dynamic only ==")
-            b = Bench(write_manifest(work, layers, 0, args.hidden), work, 1, args.threads, [], 1)
+            b = Bench(write_manifest(work, layers, 0, args.hidden), work, 1, args.threads, [], 1,
+                      machine_tmp)
             r = b.contenders(("aotc-cold",))["aotc-cold"][0]
             cold_compile[f"{layers}L-0s"] = r["phases"]["aotc_compile"]
         if scaling:
@@ -253,14 +264,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if (lay, ns) == (layers, n_sizes):
                     continue
                 say(f"== scaling: aotc cold compile, {lay} layers, {ns} compile sizes ==")
-                b = Bench(write_manifest(work, lay, ns, args.hidden), work, 1, args.threads, [], 1)
+                b = Bench(write_manifest(work, lay, ns, args.hidden), work, 1, args.threads, [], 1,
+                          machine_tmp)
                 r = b.contenders(("aotc-cold",))["aotc-cold"][0]
                 cold_compile[f"{lay}L-{ns}s"] = r["phases"]["aotc_compile"]
     results = {
         "machine": machine(),
         "config": {"layers": layers, "compile_sizes": SIZE_SETS[n_sizes], "hidden": args.hidden,
                    "runs": runs, "threads": args.threads, "first_tokens": 7,
-                   "steady_sizes": steady, "steady_iters": steady_iters, "quick": args.quick},
+                   "steady_sizes": steady, "steady_iters": steady_iters, "quick": args.quick,
+                   "warm_machine": args.warm_machine},
         "contenders": {k: summarize(v) for k, v in raw.items()},
         "raw": raw, "cold_compile_s": cold_compile, "steady_pair": bench.pair,
         "cold_compile_breakdown": raw["aotc-cold"][-1].get("compile_breakdown") if raw.get("aotc-cold") else None,

@@ -64,12 +64,14 @@ def run_vllm(work: Path, layers: int, decode_tokens: int, say: Any = print) -> d
         for name in CONTENDERS:
             d = dirs[name]
             d.mkdir()
+            (d / "tmp").mkdir()  # Inductor's machine-wide precompiled headers live under $TMPDIR
             env = {**base, "VLLM_CACHE_ROOT": str(d / "vllm-cache"),
                    "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "AOTC_STORE": str(work / "store"),
-                   "AOTC_REPORT": str(d / "report.jsonl")}
+                   "AOTC_REPORT": str(d / "report.jsonl"), "TMPDIR": str(d / "tmp")}
             if name == "default-warm":
                 env["VLLM_CACHE_ROOT"] = str(dirs["default-cold"] / "vllm-cache")
                 env["TORCHINDUCTOR_CACHE_DIR"] = str(dirs["default-cold"] / "inductor")
+                env["TMPDIR"] = str(dirs["default-cold"] / "tmp")
             if name == "aotc-cold":
                 env["AOTC_REMOTE"] = remote  # the cold build publishes
             if name == "aotc-warm-kept":

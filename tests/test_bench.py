@@ -17,7 +17,7 @@ def test_harness_runs_every_contender_and_writes_results(tmp_path) -> None:
 
     out = tmp_path / "results"
     results = sidebyside.main(["--runs", "1", "--layers", "1", "--sizes", "1", "--hidden", "64",
-                               "--steady", "1,16", "--steady-iters", "2", "--no-scaling",
+                               "--steady", "1,16", "--steady-iters", "2", "--no-scaling", "--warm-machine",
                                "--out", str(out)])
     saved = json.loads((out / "latest.json").read_text())
     assert saved["contenders"].keys() == set(sidebyside.CONTENDERS)
