@@ -339,3 +339,25 @@ def test_fast_path_is_bitwise_inductors_artifact(compiled, tmp_path, size, n):
     with torch.no_grad():
         got, want = fast(*args), slow(*args)
     assert wrapper.same_outputs(got, want)
+
+
+def test_isa_probes_run_in_this_process_and_leave_its_own_probing_as_it_was(tmp_path: Path) -> None:
+    """The ISA-extension probe libraries are built in-process into the given dir (not in a child
+    interpreter), and Inductor's memo is restored: the process still picks the ISA it picked."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    from aotc._torch import inductor_compile
+    from aotc._torch.inductor_load import kernel_files
+
+    with config.patch({"cpp.vec_isa_ok": True}):  # as aotc compiles (no base-ISA test builds)
+        before = str(pick_vec_isa())
+    assert inductor_compile._probe_here(tmp_path) is True  # torch 2.11-2.13 layout
+    built = kernel_files(tmp_path)
+    assert all(rel.endswith((".so", ".cpp")) for rel in built)
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_vnni_supported():
+        assert any(rel.endswith(".so") for rel in built), built  # the extension checks compiled
+    with config.patch({"cpp.vec_isa_ok": True}):
+        assert str(pick_vec_isa()) == before
+    where = inductor_compile.machine_isa_probe_dir("ab" * 32)
+    assert where.name == "ab" * 16 and where.parent.name == "aotc-isa-probes"
