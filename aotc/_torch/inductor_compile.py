@@ -74,7 +74,6 @@ def _probe_here(root: Path) -> bool:
     memos = _isa_memos()
     if memos is None:
         return False
-    from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     def clear() -> None:
@@ -83,7 +82,7 @@ def _probe_here(root: Path) -> bool:
 
     clear()
     try:
-        with inductor_cache_dir(root), config.patch({"cpp.vec_isa_ok": True}), in_process_isa_probes():
+        with inductor_cache_dir(root), _config_patch({}), in_process_isa_probes():  # as compiles
             pick_vec_isa()
     finally:
         clear()
@@ -386,7 +385,7 @@ def compile_piece(
         phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
         timed = _timed_metrics()
         try:
-            with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options, compiling=True), \
+            with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options), \
                     in_process_isa_probes():
                 t = time.perf_counter()
                 art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)

@@ -26,12 +26,10 @@ from aotc.counters import COUNTERS as _ours
 # kernel's command line, so it enters the kernel's name (its cache key) and a load through
 # Inductor must use it too; such a load would then preprocess (or build) the header before it
 # looks for the kernel, which ``inductor_load`` stops: the kernels are shipped, nothing builds.
-_FIXED_CONFIG: dict[str, Any] = {"cpp_cache_precompile_headers": True}
-# Config aotc compiles with, over _FIXED_CONFIG. ``cpp.vec_isa_ok``: trust the CPU's flags for
-# the vector ISA instead of compiling a test program per ISA (~8 s on 2 cores): the ISA is in
-# the key already (``toolchain.vec_isa``), the load trusts it the same way, and the
-# ISA-extension probes (AVX512-BF16, VNNI, AMX) still run.
-_COMPILE_CONFIG: dict[str, Any] = {"cpp.vec_isa_ok": True}
+# ``cpp.vec_isa_ok``: trust the CPU's flags for the vector ISA instead of compiling a test
+# program per ISA (~8 s on 2 cores) — the ISA is in the key already (``toolchain.vec_isa``);
+# the ISA-extension probes (AVX512-BF16, VNNI, AMX) still run.
+_FIXED_CONFIG: dict[str, Any] = {"cpp_cache_precompile_headers": True, "cpp.vec_isa_ok": True}
 
 
 def _known(config: Any, name: str) -> bool:
@@ -43,13 +41,13 @@ def _known(config: Any, name: str) -> bool:
     return True
 
 
-def _config_patch(options: dict[str, Any], *, compiling: bool = False) -> Any:
-    """``torch._inductor.config.patch`` of aotc's fixed config (``compiling``: the compile
-    config over it), then ``options`` (the manifest's patches win)."""
+def _config_patch(options: dict[str, Any]) -> Any:
+    """``torch._inductor.config.patch`` of aotc's fixed config, then ``options`` (the
+    manifest's patches win)."""
     from torch._inductor import config
 
-    fixed = {**_FIXED_CONFIG, **(_COMPILE_CONFIG if compiling else {})}
-    return config.patch({**{k: v for k, v in fixed.items() if _known(config, k)}, **options})
+    fixed = {k: v for k, v in _FIXED_CONFIG.items() if _known(config, k)}
+    return config.patch({**fixed, **options})
 
 
 def _first_line(cmd: Sequence[str]) -> str | None:

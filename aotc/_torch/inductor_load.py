@@ -80,9 +80,9 @@ def load_piece(
 
 @contextlib.contextmanager
 def in_process_isa_probes() -> Iterator[None]:
-    """While loading or compiling: answer Inductor's ISA-extension probes (AVX512-BF16, VNNI, AMX …) by
-    dlopen-ing the shipped probe library in this process instead of in a child Python per probe
-    (6 children, ~1.2 s here). The libraries were built for this key's march/ISA and are only
+    """While loading or compiling: answer Inductor's ISA-extension probes (AVX512-BF16, VNNI,
+    AMX …) by dlopen-ing the probe library in this process instead of in a child Python per
+    probe (6 children, ~1.2 s here). The libraries were built for this key's march/ISA and are only
     loaded, never called. Torch 2.11–2.13: ``VecISA._probe_load(self, path) -> bool``."""
     try:
         from torch._inductor.cpu_vec_isa import VecISA
@@ -145,11 +145,10 @@ def load_pieces(
     kernel_root = Path(kernel_root)
     out = []
     # The vector ISA was settled at compile time and is in the key (toolchain.vec_isa, march):
-    # trust the CPU flags at load instead of Inductor re-probing each ISA by compiling and
-    # dlopen-ing a test library in a child Python (10 subprocesses, ~2 s here).
-    load_config = {"cpp.vec_isa_ok": True, **dict(options or {})}
-    with inductor_cache_dir(kernel_root), _config_patch(load_config), in_process_isa_probes(), \
-            _no_header_builds():
+    # the fixed config trusts the CPU flags instead of Inductor re-probing each ISA by compiling
+    # and dlopen-ing a test library in a child Python (10 subprocesses, ~2 s here).
+    with inductor_cache_dir(kernel_root), _config_patch(dict(options or {})), \
+            in_process_isa_probes(), _no_header_builds():
         for artifact_file in map(Path, artifact_files):
             if not artifact_file.is_file():
                 raise LoadError(f"{artifact_file}: compiled artifact missing")
