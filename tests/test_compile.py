@@ -28,8 +28,12 @@ def test_pieces_and_unique_compiles(compiled, layers: int) -> None:
     assert res.unique_pieces == 3
     if layers == 2:  # compiled first, into an empty store
         assert res.compiles == 3 * (1 + len(SIZES)) and res.shared == 0  # whatever the depth
+        entry = _store.get(res.key, record=False)
+        libs = {r for r in entry.blobs if r.startswith("kernel/") and r.endswith(".main.so")}
+        # the pieces have kernels in common (aotc._torch.kernel_pool): each one is built once
+        assert res.kernels["pooled"] > 0 and res.kernels["built"] == len(libs)
     else:  # every (piece, size) is its 2-layer sibling's: taken from that entry (aotc.compile.reuse)
-        assert res.compiles == 0 and res.shared == 3 * (1 + len(SIZES))
+        assert res.compiles == 0 and res.shared == 3 * (1 + len(SIZES)) and res.kernels["built"] == 0
     assert after["compiles"] - before["compiles"] == res.compiles  # Inductor really ran that often
     assert after["traces"] - before["traces"] == 1
     assert res.max_abs_err is not None and res.max_abs_err <= 1e-4
@@ -167,12 +171,20 @@ def test_parallel_workers_compile_the_same_program(compiled, tmp_path) -> None:
     from aotc._torch.inductor_facts import counters_snapshot
     from aotc.records.program import PROGRAM_ROLE, Program
 
+    import io
+
+    from aotc.progress import Progress
+
     store = Store(tmp_path / "store")  # empty: the session store would share every piece
-    m = toy_manifest(tmp_path, 3, name="toy-3-parallel", compile_sizes=[])
+    m = toy_manifest(tmp_path, 3, name="toy-3-parallel", compile_sizes=[4])
     before = counters_snapshot()["compiles"]
-    res = compile_manifest(m, store=store, jobs=2)
-    assert (res.pieces, res.unique_pieces, res.compiles) == (7, 3, 3)
-    assert counters_snapshot()["compiles"] - before == 3
+    said = io.StringIO()
+    res = compile_manifest(m, store=store, jobs=2, progress=Progress(said))
+    assert "0/6 compiling in 2 processes" in said.getvalue()  # 3 tasks each: the worker is worth it
+    assert (res.pieces, res.unique_pieces, res.compiles) == (7, 3, 6)
+    assert counters_snapshot()["compiles"] - before == 6
     assert res.max_abs_err <= 1e-4
     program = Program.from_json(store.read_blob(store.get(res.key, record=False), PROGRAM_ROLE))
-    assert sorted(a.uid for a in program.artifacts) == sorted(set(program.unique_pieces))
+    assert sorted(set(a.uid for a in program.artifacts)) == sorted(set(program.unique_pieces))
+    assert sorted((a.uid, a.size or 0) for a in program.artifacts) == sorted(
+        (u, s) for u in set(program.unique_pieces) for s in (0, 4))

@@ -194,6 +194,37 @@ def _real_args(piece, n: int, seed: int = 0) -> list:
 
 
 @pytest.mark.slow
+def test_kernel_pool_builds_a_shared_kernel_once_and_ships_only_the_ones_used(compiled, pieces, tmp_path):
+    """A kernel already in the job's pool is not built again; a piece's kernel files are the
+    libraries it uses, not everything the pool holds; what it built joins the pool."""
+    from aotc._torch import inductor_compile, inductor_load, kernel_pool
+
+    piece, arts = compiled
+    pool = tmp_path / "pool"
+    mine = {r for r in arts[None].kernel_files if kernel_pool.is_kernel(r)}  # not the ISA probes
+    assert kernel_pool.add(pool, arts[None].kernel_root, sorted(mine)) == len(mine) > 0
+    again = inductor_compile.compile_piece(piece.gm, piece.example_inputs, None, tmp_path / "again",
+                                           {}, pool=pool)
+    assert again.kernels == {"built": 0, "pooled": len(mine)}
+    assert set(filter(kernel_pool.is_kernel, again.kernel_files)) == mine and again.wrapper is not None
+    other = pieces.pieces[0]  # embedding + the first pre-attention: none of the MLP's kernels
+    c = inductor_compile.compile_piece(other.gm, other.example_inputs, None, tmp_path / "other", {},
+                                       pool=pool)
+    taken = set(c.kernel_files) & mine
+    assert c.kernels["pooled"] == len(taken) and taken != mine
+    assert c.kernels["built"] > 0
+    assert all((pool / r).is_file() for r in filter(kernel_pool.is_kernel, c.kernel_files))
+    root = tmp_path / "root"  # its own kernel files are all a load needs
+    shutil.copytree(c.kernel_root, root)
+    args = _real_args(other, 4)
+    with torch.no_grad():
+        ref = other.gm(*args)
+        out = inductor_load.load_piece(c.artifact, root)(*args)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("size,n", [(None, 5), (None, 1), (5, 5)])
 def test_compile_save_load_reproduces_piece(compiled, tmp_path, size, n):
     from aotc._torch import inductor_load
@@ -361,3 +392,36 @@ def test_isa_probes_run_in_this_process_and_leave_its_own_probing_as_it_was(tmp_
         assert str(pick_vec_isa()) == before
     where = inductor_compile.machine_isa_probe_dir("ab" * 32)
     assert where.name == "ab" * 16 and where.parent.name == "aotc-isa-probes"
+
+
+_HEADER_SCRIPT = """
+import sys
+from pathlib import Path
+import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from aotc._torch import header_build, inductor_compile
+
+headers = Path(default_cache_dir()) / "precompiled_headers"
+assert not headers.exists(), headers  # a cold machine
+thread = header_build.start_header_build({}, inductor_compile.isa_probe_files())
+assert thread is not None
+thread.join()
+first = sorted(p.name for p in headers.glob("*.gch"))
+gm = torch.fx.symbolic_trace(lambda x: (torch.sigmoid(x) * 2.0 + 1.0,))
+inductor_compile.compile_piece(gm, [torch.randn(64)], 64, Path(sys.argv[1]))
+import json
+print(json.dumps([first, sorted(p.name for p in headers.glob("*.gch"))]))
+"""
+
+
+@pytest.mark.slow
+def test_header_built_in_the_background_is_the_one_the_kernels_use(tmp_path: Path) -> None:
+    """``start_header_build`` precompiles the very header a CPU kernel's build then includes: on
+    a cold machine (empty temp dir) the compile that follows builds no second one."""
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONPATH": str(REPO)}
+    (tmp_path / "tmp").mkdir()
+    out = subprocess.run([sys.executable, "-c", _HEADER_SCRIPT, str(tmp_path / "piece")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(first) == 1 and after == first

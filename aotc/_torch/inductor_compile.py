@@ -7,7 +7,7 @@ Shipping kernels: a ``standalone_compile`` artifact holds the wrapper and kernel
 compiler again. Each compile therefore runs in :func:`~aotc._torch.inductor_load.inductor_cache_dir`
 pointed at a fresh dir; the binaries found there are its *kernel files* (relative paths),
 restored under one root at load so Inductor finds each under the key it computes (the ISA probe
-libraries too, see ``_isa_probe_files``). :func:`compile_piece` also records the fast-path
+libraries too, see ``isa_probe_files``). :func:`compile_piece` also records the fast-path
 record of :mod:`aotc._torch.wrapper` for every piece that qualifies.
 """
 
@@ -31,20 +31,19 @@ import torch.fx
 
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
-from aotc._torch import wrapper
+from aotc._torch import kernel_pool, wrapper
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
                                        kernel_files as _kernel_files)
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
 __all__ = [
-    "CompiledPiece", "compile_piece", "keep_isa_probes", "kept_isa_probes", "machine_isa_probe_dir",
-    "piece_cache_key",
-    "static_example_inputs",
+    "CompiledPiece", "compile_piece", "isa_probe_files", "keep_isa_probes", "kept_isa_probes",
+    "machine_isa_probe_dir", "piece_cache_key", "static_example_inputs",
 ]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
-_probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see _isa_probe_files)
+_probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see isa_probe_files)
 # the probes a compile with ``cpp.vec_isa_ok`` runs (the ISA extensions: ~1.5 s, not ~10 s)
 _PROBE_SCRIPT = ("from torch._inductor import config; config.cpp.vec_isa_ok = True; "
                  "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())")
@@ -96,7 +95,7 @@ def _probe_in_child(root: Path) -> None:
                    capture_output=True, timeout=600)
 
 
-def _isa_probe_files() -> dict[str, Path]:
+def isa_probe_files() -> dict[str, Path]:
     """The vector-ISA probe libraries Inductor builds in its cache dir (relative path -> file).
 
     Inductor checks the CPU's ISA extensions (AVX512-BF16, VNNI, AMX; the base ISAs are trusted,
@@ -189,6 +188,8 @@ class CompiledPiece:
     wrapper_note: str = ""  # why it does not
     reused: bool = False  # found finished in the compile's work directory (a resumed compile)
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds by step (a profile)
+    # kernel libraries: "built" by this compile, "pooled" taken from the job's kernel pool
+    kernels: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _sc_module() -> Any:
@@ -343,6 +344,7 @@ def compile_piece(
     tmp_root: Path | None = None,
     real_inputs: dict[int, Any] | None = None,
     key: str | None = None,
+    pool: Path | None = None,
 ) -> CompiledPiece:
     """Compile one piece with Inductor and save it under ``out_dir``.
 
@@ -357,7 +359,9 @@ def compile_piece(
     static for that token count (real inputs of that size, ``"from_example_inputs"``).
     ``options``: Inductor config patches. Writes ``out_dir/artifact.bin`` and the kernel files
     under ``out_dir/kernels/``; raises :class:`CompileError` on any failure. Inductor's scratch
-    cache dir is made under ``tmp_root`` (default: the system's temp dir).
+    cache dir is made under ``tmp_root`` (default: the system's temp dir). ``pool``: the job's
+    :mod:`~aotc._torch.kernel_pool` — kernels already built there are not built again, and the
+    ones this compile builds are added to it.
     """
     import time
 
@@ -377,11 +381,12 @@ def compile_piece(
     t0 = t_key = time.perf_counter()
     if key is None:
         key = piece_cache_key(gm, inputs, dynamic, options=options)
-    probes = _isa_probe_files()
+    probes = isa_probe_files()
     with tempfile.TemporaryDirectory(prefix="aotc-inductor-", dir=tmp_root) as tmp:
         for rel, src in probes.items():  # seed: the ISA check at compile and load finds them
             (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, Path(tmp) / rel)
+        seeded = kernel_pool.seed(pool, Path(tmp))
         phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
         timed = _timed_metrics()
         try:
@@ -403,6 +408,7 @@ def compile_piece(
             if spent - timed.get(name, 0.0) > 0:
                 phases[f"inductor.{_METRICS[name]}"] = spent - timed.get(name, 0.0)
         t = time.perf_counter()
+        pooled = kernel_pool.prune(Path(tmp), seeded)
         files = _kernel_files(Path(tmp))
         vals = inputs if not dynamic else with_real(static_example_inputs(inputs, _CHECK_TOKENS))
         note = wrapper.record_fast_path(art, vals, Path(tmp), files, out_dir / "wrapper.json",
@@ -413,10 +419,14 @@ def compile_piece(
             dst = kernel_root / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(Path(tmp) / rel, dst)
+        built = [rel for rel in files if rel not in pooled and rel not in probes]
+        kernel_pool.add(pool, kernel_root, built)
         phases["copy kernels"] = time.perf_counter() - t
     _ours.compiles += 1
     return CompiledPiece(artifact, kernel_root, tuple(files), size, key,
                          time.perf_counter() - t0, None if note else out_dir / "wrapper.json", note,
-                         phases={k: round(v, 4) for k, v in phases.items()})
+                         phases={k: round(v, 4) for k, v in phases.items()},
+                         kernels={"built": sum(map(kernel_pool.is_kernel, built)),
+                                  "pooled": len(pooled)})
 
 

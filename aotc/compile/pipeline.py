@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import inductor_compile
+from aotc._torch import header_build, inductor_compile
 from aotc._torch.ops import graph_returns_tuple
 from aotc.cache import StoreReadOnlyError, workdirs
 from aotc.runtime.checking import compare_runs
@@ -33,8 +33,8 @@ from aotc.lookup.toolchain import fingerprint, machine_factors
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runtime.runner import Runner
 from aotc.runtime.rehydrate import rehydrate
-from aotc.compile.workers import (artifact_files, compile_tasks, discard, merge_kernels,
-                                  note_check_failed, profile, resumed_from)
+from aotc.compile.workers import (artifact_files, compile_tasks, discard, kernel_builds,
+                                  merge_kernels, note_check_failed, profile, resumed_from)
 from aotc.compile.pieces import trace_and_split
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import splitting_op_of
@@ -61,6 +61,8 @@ class CompileResult:
     resumed_from: str = ""  # which: "an interrupted compile" or one whose numeric check failed
     shared: int = 0  # piece compiles taken from other stored entries (aotc.compile.reuse)
     profile: dict[str, float] = field(default_factory=dict)  # compile seconds by step, all pieces
+    # C++ kernel libraries the compiles built, and took from the compile's pool (aotc._torch.kernel_pool)
+    kernels: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "hit": self.hit, "pieces": self.pieces,
@@ -69,7 +71,7 @@ class CompileResult:
                 "max_abs_err": self.max_abs_err, "numerics": self.numerics,
                 "warnings": list(self.warnings), "store": self.store, "resumed": self.resumed,
                 "resumed_from": self.resumed_from if self.resumed else None,
-                "shared": self.shared, "profile": self.profile}
+                "shared": self.shared, "profile": self.profile, "kernels": self.kernels}
 
 
 def check_sizes(manifest: Manifest) -> list[int]:
@@ -129,6 +131,8 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
+    # the kernels' precompiled header, on a cold machine ~5 s, builds while we trace
+    header_build.start_header_build(dict(manifest.inductor), inductor_compile.isa_probe_files())
 
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts, uid_of, first_of, warnings = (
@@ -205,7 +209,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             "compiles": n_compiles, "shapes": ["dynamic" if s is None else str(s) for s in shapes],
             "numerics": numerics, "torch": toolchain["toolchain"].get("torch"), "device": manifest.device,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
-            "profile": profile(compiled.values()),
+            "profile": profile(compiled.values()), "kernels": kernel_builds(compiled.values()),
         }
         entry = store.put(key, manifest.name, blobs, factors=factors, metadata=metadata)
         seconds["store"] = time.perf_counter() - t
@@ -217,7 +221,8 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
         store=str(store.root), resumed=sum(c.reused for t, c in compiled.items() if t not in shared),
-        resumed_from=reused_from, shared=len(shared), profile=profile(compiled.values()))
+        resumed_from=reused_from, shared=len(shared), profile=profile(compiled.values()),
+        kernels=kernel_builds(compiled.values()))
 
 
 def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,

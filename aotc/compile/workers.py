@@ -44,6 +44,7 @@ def _out_dir(work: Path, uid: str, size: int | None) -> Path:
 
 
 _CHECK_FAILED = "check-failed.txt"
+_POOL = "kernel-pool"  # the kernel libraries the key's tasks built (aotc._torch.kernel_pool)
 
 
 def note_check_failed(work: Path, why: str) -> None:
@@ -71,7 +72,8 @@ def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> induc
         c = inductor_compile.CompiledPiece(
             out / d["artifact"], out / "kernels", tuple(d["kernel_files"]), d["size"], d["key"],
             float(d["seconds"]), None if d["wrapper"] is None else out / d["wrapper"],
-            str(d["wrapper_note"]), reused=True, phases=dict(d.get("phases") or {}))
+            str(d["wrapper_note"]), reused=True, phases=dict(d.get("phases") or {}),
+            kernels=dict(d.get("kernels") or {}))
         for rel, n in d["sizes"].items():  # a file cut short (power loss, disk full): rebuild
             if (out / rel).stat().st_size != n:
                 raise ValueError(f"{rel} is not {n} bytes")
@@ -124,7 +126,7 @@ def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
     try:
         c = inductor_compile.compile_piece(piece.gm, list(piece.example_inputs), size, partial / "result",
                                            options, tmp_root=partial, real_inputs=piece.real_inputs,
-                                           key=f"{uid}:{size or 'dynamic'}")
+                                           key=f"{uid}:{size or 'dynamic'}", pool=work / _POOL)
         result = partial / "result"
         files = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
         if c.wrapper is not None:
@@ -137,7 +139,8 @@ def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
         done = {"uid": uid, "size": size, "artifact": c.artifact.name,
                 "kernel_files": list(c.kernel_files), "key": c.key, "seconds": c.seconds,
                 "wrapper": None if c.wrapper is None else c.wrapper.name,
-                "wrapper_note": c.wrapper_note, "sizes": sizes, "phases": c.phases}
+                "wrapper_note": c.wrapper_note, "sizes": sizes, "phases": c.phases,
+                "kernels": c.kernels}
         (result / "done.json").write_text(json.dumps(done))
         try:
             os.rename(result, out)
@@ -148,7 +151,7 @@ def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
     found = _reuse(work, uid, size)
     if found is None:
         raise CompileError(f"compiled piece {uid} vanished from {work} (removed by gc?); compile again")
-    return replace(found, reused=False, seconds=c.seconds, phases=c.phases)
+    return replace(found, reused=False, seconds=c.seconds, phases=c.phases, kernels=c.kernels)
 
 
 def _label(uid: str, size: int | None) -> str:
@@ -160,7 +163,8 @@ def _to_json(uid: str, c: inductor_compile.CompiledPiece) -> str:
                        "kernel_root": str(c.kernel_root), "kernel_files": list(c.kernel_files),
                        "key": c.key, "seconds": c.seconds,
                        "wrapper": None if c.wrapper is None else str(c.wrapper),
-                       "wrapper_note": c.wrapper_note, "reused": c.reused, "phases": c.phases})
+                       "wrapper_note": c.wrapper_note, "reused": c.reused, "phases": c.phases,
+                       "kernels": c.kernels})
 
 
 def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
@@ -168,7 +172,8 @@ def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
     return (d["uid"], d["size"]), inductor_compile.CompiledPiece(
         Path(d["artifact"]), Path(d["kernel_root"]), tuple(d["kernel_files"]), d["size"], d["key"],
         float(d["seconds"]), None if d.get("wrapper") is None else Path(d["wrapper"]),
-        str(d.get("wrapper_note", "")), bool(d.get("reused", False)), dict(d.get("phases") or {}))
+        str(d.get("wrapper_note", "")), bool(d.get("reused", False)), dict(d.get("phases") or {}),
+        dict(d.get("kernels") or {}))
 
 
 def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: list[Task], work: Path,
@@ -193,7 +198,8 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
     # finished by an earlier, interrupted compile of this key: not compiled again
     reused = {t: c for t in tasks if (c := _reuse(work, *t, repair=False)) is not None}
     todo = [t for t in tasks if t not in reused]
-    jobs = max(1, min(jobs, len(todo)))
+    # a worker re-traces the model first (a few seconds of a core): worth it for 2 tasks or more
+    jobs = max(1, min(jobs, len(todo) // 2))
     shares = [todo[i::jobs] for i in range(jobs)]
     shared = shared or {}
     resumed = len(set(reused) - set(shared))
@@ -221,6 +227,16 @@ def profile(compiled: Any) -> dict[str, float]:
             for k, v in c.phases.items():
                 out[k] = round(out.get(k, 0.0) + v, 3)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def kernel_builds(compiled: Any) -> dict[str, int]:
+    """Kernel libraries the pieces actually compiled built, and took from the job's pool."""
+    out = {"built": 0, "pooled": 0}
+    for c in compiled:
+        if not c.reused:
+            for k in out:
+                out[k] += int(c.kernels.get(k, 0))
+    return out
 
 
 def artifact_files(artifacts: Any, compiled: dict[Task, inductor_compile.CompiledPiece]) -> dict[str, Path]:
