@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raw = bench.contenders(only)
         cold_compile: dict[str, float] = {f"{layers}L-{n_sizes}s": statistics.median(
             r["phases"]["aotc_compile"] for r in raw["aotc-cold"])}
-        if n_sizes and (scaling or args.quick):  # the dynamic artifact alone (the fixed part)
+        if n_sizes and "aotc-cold" in only:  # the dynamic artifact alone (the fixed part)
             say(f"== aotc cold compile, {layers} layers, dynamic only ==")
             b = Bench(write_manifest(work, layers, 0, args.hidden), work, 1, args.threads, [], 1,
                       machine_tmp)
