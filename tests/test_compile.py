@@ -155,6 +155,19 @@ def test_bad_models_fail_cleanly(compiled, tmp_path, label, model, _unused, need
     assert (store.keys(), sorted(p.name for p in store.blobs_dir.rglob("*"))) == before
 
 
+def test_a_failed_parallel_compile_leaves_no_worker_behind(tmp_path) -> None:
+    """-j 2 starts its worker before tracing; a capture that fails stops it."""
+    import psutil
+
+    model = {"factory": f"{ROOT / 'tests' / 'fixtures'}/bad_models.py:graph_break"}
+    m = toy_manifest(tmp_path, 2, name="bad-parallel", model=model)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    res = CliRunner().invoke(cli, ["--store", str(tmp_path / "store"), "compile", str(m), "-q",
+                                   "-j", "2"], catch_exceptions=False)
+    assert res.exit_code == 2 and "bad_models.py:" in res.output, res.output
+    assert {p.pid for p in psutil.Process().children(recursive=True)} - before == set()
+
+
 def test_bad_manifest_exit_2_store_untouched(tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: {factory: a.b:c}\ninputs: []\ncompile_sizes: [1, '8x']\n")

@@ -378,19 +378,19 @@ def test_isa_probes_run_in_this_process_and_leave_its_own_probing_as_it_was(tmp_
     from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    from aotc._torch import inductor_compile
+    from aotc._torch import isa_probes
     from aotc._torch.inductor_load import kernel_files
 
     with config.patch({"cpp.vec_isa_ok": True}):  # as aotc compiles (no base-ISA test builds)
         before = str(pick_vec_isa())
-    assert inductor_compile._probe_here(tmp_path) is True  # torch 2.11-2.13 layout
+    assert isa_probes._probe_here(tmp_path) is True  # torch 2.11-2.13 layout
     built = kernel_files(tmp_path)
     assert all(rel.endswith((".so", ".cpp")) for rel in built)
     if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_vnni_supported():
         assert any(rel.endswith(".so") for rel in built), built  # the extension checks compiled
     with config.patch({"cpp.vec_isa_ok": True}):
         assert str(pick_vec_isa()) == before
-    where = inductor_compile.machine_isa_probe_dir("ab" * 32)
+    where = isa_probes.machine_isa_probe_dir("ab" * 32)
     assert where.name == "ab" * 16 and where.parent.name == "aotc-isa-probes"
 
 
@@ -399,11 +399,11 @@ import sys
 from pathlib import Path
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-from aotc._torch import header_build, inductor_compile
+from aotc._torch import header_build, inductor_compile, isa_probes
 
 headers = Path(default_cache_dir()) / "precompiled_headers"
 assert not headers.exists(), headers  # a cold machine
-thread = header_build.start_header_build({}, inductor_compile.isa_probe_files())
+thread = header_build.start_header_build({}, isa_probes.isa_probe_files())
 assert thread is not None
 thread.join()
 first = sorted(p.name for p in headers.glob("*.gch"))

@@ -1,5 +1,5 @@
-"""Compiling and saving pieces with Inductor (``standalone_compile``), their cache keys, and the
-CPU vector-ISA probe libraries: the compile side of the fence around ``torch._inductor``.
+"""Compiling and saving pieces with Inductor (``standalone_compile``) and their cache keys: the
+compile side of the fence around ``torch._inductor``.
 Written for torch 2.11–2.13, API differences feature-checked; tested on 2.13.0 (CPU).
 
 Shipping kernels: a ``standalone_compile`` artifact holds the wrapper and kernel *sources*
@@ -7,7 +7,7 @@ Shipping kernels: a ``standalone_compile`` artifact holds the wrapper and kernel
 compiler again. Each compile therefore runs in :func:`~aotc._torch.inductor_load.inductor_cache_dir`
 pointed at a fresh dir; the binaries found there are its *kernel files* (relative paths),
 restored under one root at load so Inductor finds each under the key it computes (the ISA probe
-libraries too, see ``isa_probe_files``). :func:`compile_piece` also records the fast-path
+libraries too, :mod:`aotc._torch.isa_probes`). :func:`compile_piece` also records the fast-path
 record of :mod:`aotc._torch.wrapper` for every piece that qualifies.
 """
 
@@ -17,10 +17,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,139 +32,12 @@ from aotc._torch import kernel_pool, wrapper
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
                                        kernel_files as _kernel_files)
+from aotc._torch.isa_probes import isa_probe_files
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
-__all__ = [
-    "CompiledPiece", "compile_piece", "isa_probe_files", "keep_isa_probes", "kept_isa_probes",
-    "machine_isa_probe_dir", "piece_cache_key", "static_example_inputs",
-]
+__all__ = ["CompiledPiece", "compile_piece", "piece_cache_key", "static_example_inputs"]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
-_probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see isa_probe_files)
-# the probes a compile with ``cpp.vec_isa_ok`` runs (the ISA extensions: ~1.5 s, not ~10 s)
-_PROBE_SCRIPT = ("from torch._inductor import config; config.cpp.vec_isa_ok = True; "
-                 "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())")
-
-
-def _isa_memos() -> list[Any] | None:
-    """Every memo of ``torch._inductor.cpu_vec_isa`` (torch 2.11–2.13: ``pick_vec_isa``,
-    ``valid_vec_isa_list`` and the ``functools.cache``'d ``__bool__`` of each ISA class), or
-    None when the module is not laid out that way."""
-    try:
-        from torch._inductor import cpu_vec_isa as m
-    except ImportError:
-        return None
-    memos = [f for f in (getattr(m, "pick_vec_isa", None), getattr(m, "valid_vec_isa_list", None))
-             if hasattr(f, "cache_clear")]
-    for cls in vars(m).values():
-        if isinstance(cls, type) and issubclass(cls, m.VecISA):
-            memos += [f for f in vars(cls).values() if hasattr(f, "cache_clear")]
-    return memos if len(memos) >= 3 else None
-
-
-def _probe_here(root: Path) -> bool:
-    """Run Inductor's ISA-extension probes in this process with ``root`` as the cache dir: its
-    memos cleared before (so the probes run even if this process probed already) and after (so
-    a later ``torch.compile`` of the caller's own probes as it would have). ~1.2 s on 2 cores,
-    against ~4.5 s for a child interpreter. False when it cannot (another torch layout)."""
-    memos = _isa_memos()
-    if memos is None:
-        return False
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    def clear() -> None:
-        for f in memos:
-            f.cache_clear()
-
-    clear()
-    try:
-        with inductor_cache_dir(root), _config_patch({}), in_process_isa_probes():  # as compiles
-            pick_vec_isa()
-    finally:
-        clear()
-    return True
-
-
-def _probe_in_child(root: Path) -> None:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(root))
-    env.pop("TRITON_CACHE_DIR", None)
-    subprocess.run([sys.executable, "-c", _PROBE_SCRIPT], env=env, check=True,
-                   capture_output=True, timeout=600)
-
-
-def isa_probe_files() -> dict[str, Path]:
-    """The vector-ISA probe libraries Inductor builds in its cache dir (relative path -> file).
-
-    Inductor checks the CPU's ISA extensions (AVX512-BF16, VNNI, AMX; the base ISAs are trusted,
-    ``cpp.vec_isa_ok``) once per process by compiling a tiny program into the cache dir
-    (``cpu_vec_isa.VecISA.check_build``) and skips the compiler when that library already exists.
-    Its per-process memo means a compile only writes them the first time, so they are produced
-    here once per machine and toolchain (:func:`keep_isa_probes`; else once per process), with
-    Inductor's memo cleared around the probe, and seeded into every compile's cache dir (hence
-    shipped with every piece, so a load never compiles them). Empty if the probe cannot run.
-    """
-    kept: Path | None = _probe.get("keep")
-    files = _probe.get("files")
-    if files is not None and (_probe.get("files_for") != kept or not all(p.is_file() for p in files.values())):
-        files = _probe["files"] = None  # another store now, or its files went away: again
-    if files is None:
-        _probe["files_for"] = kept
-        if kept is not None and kept.is_dir():  # built by an earlier process on this toolchain
-            _probe["files"] = {rel: kept / rel for rel in _kernel_files(kept)}
-            if _probe["files"]:
-                return _probe["files"]
-        tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
-        _probe["dir"] = tmp  # lives as long as the process
-        root = Path(tmp.name)
-        try:
-            try:
-                here = _probe_here(root)
-            except Exception:  # noqa: BLE001 - another torch's internals: probe in a child instead
-                here = False
-            if not here:
-                _probe_in_child(root)
-            _probe["files"] = {rel: root / rel for rel in _kernel_files(root)}
-        except (OSError, subprocess.SubprocessError):
-            _probe["files"] = {}
-        if kept is not None and _probe["files"]:
-            _keep_probes(Path(tmp.name), kept)
-    return _probe["files"]
-
-
-def keep_isa_probes(directory: Path) -> None:
-    """Keep the ISA probe libraries in ``directory`` (per toolchain fingerprint, so any change of
-    compiler, torch or CPU gives another) and reuse them in later processes: the probe compiles
-    a few programs (~1.5 s on 2 cores) in every compiling process otherwise."""
-    _probe["keep"] = Path(directory)
-
-
-def machine_isa_probe_dir(fingerprint: str) -> Path:
-    """Where this machine keeps the ISA probe libraries of one toolchain (``fingerprint``, see
-    ``aotc.lookup.toolchain.fingerprint``): beside Inductor's own machine-wide files (its
-    precompiled headers) in its default cache dir, ``$TMPDIR/torchinductor_$USER``, so every
-    store and every process on the machine builds them once."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return Path(default_cache_dir()) / "aotc-isa-probes" / fingerprint[:32]
-
-
-def kept_isa_probes() -> Path | None:
-    """Where ``keep_isa_probes`` keeps them in this process (None: not kept)."""
-    return _probe.get("keep")
-
-
-def _keep_probes(src: Path, dest: Path) -> None:
-    partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        for rel in _kernel_files(src):
-            (partial / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / rel, partial / rel)
-        os.rename(partial, dest)  # whole or not at all; a concurrent process may win: fine
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledPiece:
     """One compiled artifact of one piece, for one size (``None`` = dynamic).

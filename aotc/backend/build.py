@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from aotc._torch import dynamo, inductor_compile
+from aotc._torch import dynamo, inductor_compile, isa_probes
 from aotc._torch.ops import graph_returns_tuple, mutated_args
 from aotc.cache import workdirs
 from aotc.compile.pieces import piece_uid
@@ -223,7 +223,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
-    inductor_compile.keep_isa_probes(inductor_compile.machine_isa_probe_dir(fingerprint(device)))
+    isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(device)))
     parts = _with_real_inputs(split(gm, list(ops)), example_inputs)
     uid_of: dict[str, str] = {}
     first_of: dict[str, Any] = {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import header_build, inductor_compile
+from aotc._torch import header_build, inductor_compile, isa_probes
 from aotc._torch.ops import graph_returns_tuple
 from aotc.cache import StoreReadOnlyError, workdirs
 from aotc.runtime.checking import compare_runs
@@ -33,8 +33,9 @@ from aotc.lookup.toolchain import fingerprint, machine_factors
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runtime.runner import Runner
 from aotc.runtime.rehydrate import rehydrate
-from aotc.compile.workers import (artifact_files, compile_tasks, discard, kernel_builds,
-                                  merge_kernels, note_check_failed, profile, resumed_from)
+from aotc.compile.workers import (Worker, artifact_files, compile_tasks, discard, kernel_builds,
+                                  merge_kernels, note_check_failed, profile, resumed_from,
+                                  start_workers)
 from aotc.compile.pieces import trace_and_split
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import splitting_op_of
@@ -122,7 +123,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
     base = base_factors(manifest, toolchain)
-    inductor_compile.keep_isa_probes(inductor_compile.machine_isa_probe_dir(fingerprint(manifest.device)))
+    isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(manifest.device)))
     if not force:
         found = resolve(manifest, store, toolchain, record=False)
         if found.entry is not None:
@@ -131,9 +132,22 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
-    # the kernels' precompiled header, on a cold machine ~5 s, builds while we trace
-    header_build.start_header_build(dict(manifest.inductor), inductor_compile.isa_probe_files())
+    # the workers re-trace, and the kernels' precompiled header (~5 s on a cold machine) builds,
+    # while this process traces
+    started = start_workers(manifest, jobs)
+    try:
+        header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
+        return _compile_traced(manifest, store, force, progress, jobs, started, toolchain, base,
+                               seconds)
+    finally:
+        for w in started:
+            w.kill()
 
+
+def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progress, jobs: int,
+                    started: list[Worker], toolchain: dict[str, Any], base: dict[str, Any],
+                    seconds: dict[str, float]) -> CompileResult:
+    """Trace, split, compile, check and store (a miss of ``compile_manifest``)."""
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts, uid_of, first_of, warnings = (
         traced.model, traced.captured, traced.parts, traced.uid_of, traced.first_of, traced.warnings)
@@ -158,7 +172,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         reused_from = resumed_from(claimed.path)
         shared = {} if force else seed_from_store(store, claimed.path, tasks, factors)
         compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs,
-                                 shared=shared)
+                                 shared=shared, started=started)
         kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
         try:

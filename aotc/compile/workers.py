@@ -9,8 +9,10 @@ before building it, so each task is built once and the others reuse it.
 
 A worker cannot be handed a piece (its graph carries fake tensors with symbolic sizes, which do
 not cross processes), so each worker rebuilds the model and re-traces it — deterministic, a few
-seconds — then compiles its share and reports each artifact as one JSON line on stdout. The
-parent compiles a share itself meanwhile. Ids must agree: both sides use ``aotc.compile.pieces``.
+seconds, started as soon as the compile knows it will compile, so it runs beside the parent's own
+trace — then reads its share on stdin, compiles it and reports each artifact as one JSON line on
+stdout. The parent compiles a share itself meanwhile. Ids must agree: both sides use
+``aotc.compile.pieces``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from aotc._torch import inductor_compile
+from aotc._torch import inductor_compile, isa_probes
 from aotc.counters import COUNTERS
 from aotc.errors import CompileError
 from aotc.manifest import Manifest, parse_manifest
@@ -178,11 +180,13 @@ def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
 
 def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: list[Task], work: Path,
                   progress: Progress, jobs: int = 1, options: dict[str, Any] | None = None,
-                  shared: dict[Task, str] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
+                  shared: dict[Task, str] | None = None,
+                  started: list[Worker] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
     """Compile every task; with ``jobs`` > 1, ``jobs - 1`` workers take a share each (workers
     re-trace the manifest's model: without a manifest — a graph the backend was handed — every
     task compiles here). ``options``: Inductor patches (default: the manifest's). ``shared``: the
-    tasks seeded from other stored entries (``aotc.compile.reuse``), for the progress line."""
+    tasks seeded from other stored entries (``aotc.compile.reuse``), for the progress line.
+    ``started``: workers :func:`start_workers` started earlier (the ones not needed are stopped)."""
     options = dict(manifest.inductor) if manifest is not None else dict(options or {})
     if manifest is None:
         jobs = 1
@@ -208,8 +212,14 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
                   + (f", {resumed} reused from {resumed_from(work)}" if resumed else ""))
     for task, c in reused.items():
         done(task, c)
-    workers = [_Worker(manifest, share, work, done) for share in shares[1:]]  # type: ignore[arg-type]
+    started = list(started or [])
+    for w in started[jobs - 1:]:
+        w.kill()
+    workers = started[:jobs - 1]
+    workers += [Worker(manifest) for _ in range(jobs - 1 - len(workers))]  # type: ignore[arg-type]
     try:
+        for w, share in zip(workers, shares[1:]):
+            w.start(share, work, done)
         compile_here(first_of, shares[0], work, options, done)
         for w in workers:
             w.wait()
@@ -273,22 +283,39 @@ def compile_here(first_of: dict[str, Piece], tasks: list[Task], work: Path, opti
         done((uid, size), _compile_into(work, uid, first_of[uid], size, options))
 
 
-class _Worker:
-    """One ``python -m aotc.compile.workers SPEC`` process and the thread reading its results."""
+class Worker:
+    """One ``python -m aotc.compile.workers`` process and the thread reading its results. It
+    starts re-tracing the manifest's model at once — beside the parent's own trace — and is
+    handed its share (:meth:`start`) once the parent knows the tasks."""
 
-    def __init__(self, manifest: Manifest, share: list[Task], work: Path, done: Any) -> None:
-        self.share, self.done = share, done
+    def __init__(self, manifest: Manifest) -> None:
+        self.share: list[Task] = []
+        self.done: Any = None
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - its stderr, for errors
+        self.proc = subprocess.Popen([sys.executable, "-m", "aotc.compile.workers"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True)
         spec = {"manifest": manifest.to_dict(), "file": str(manifest.path or "<manifest>"),
-                "base_dir": str(manifest.base_dir or Path.cwd()),
-                "tasks": [[u, s] for u, s in share], "work": str(work),
-                "isa_probes": str(inductor_compile.kept_isa_probes() or ""), "parent": os.getpid()}
-        fd, self.spec_path = tempfile.mkstemp(prefix="aotc-worker-", suffix=".json", dir=work)
-        with os.fdopen(fd, "w") as f:
-            json.dump(spec, f)
-        self.log = open(Path(self.spec_path).with_suffix(".log"), "w+")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "aotc.compile.workers", self.spec_path],
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+                "base_dir": str(manifest.base_dir or Path.cwd()), "parent": os.getpid()}
+        self._send(spec, last=False)
         self.received = 0
+        self.thread: threading.Thread | None = None
+
+    def _send(self, message: dict[str, Any], last: bool) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+            if last:
+                self.proc.stdin.close()
+        except OSError:  # it died (its log says why): wait() reports it
+            pass
+
+    def start(self, share: list[Task], work: Path, done: Any) -> None:
+        """Hand the worker its share of tasks, to compile into ``work``; ``done`` per result."""
+        self.share, self.done = share, done
+        self._send({"tasks": [[u, s] for u, s in share], "work": str(work),
+                    "isa_probes": str(isa_probes.kept_isa_probes() or "")}, last=True)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -303,6 +330,9 @@ class _Worker:
                 self.done(task, c)
 
     def wait(self) -> None:
+        """Wait for the share; raise :class:`CompileError` if the worker did not deliver it."""
+        if self.thread is None:
+            return
         rc = self.proc.wait()
         self.thread.join()
         if rc != 0 or self.received != len(self.share):
@@ -312,12 +342,25 @@ class _Worker:
                                f"{len(self.share)} pieces: {tail[-600:]}")
 
     def kill(self) -> None:
+        """Stop the worker now (idempotent)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        self.log.close()
-        for f in (Path(self.spec_path), Path(self.spec_path).with_suffix(".log")):
-            f.unlink(missing_ok=True)
+        for f in (self.proc.stdin, self.proc.stdout, self.log):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+
+
+def start_workers(manifest: Manifest, jobs: int) -> list[Worker]:
+    """The ``jobs - 1`` workers of a ``-j jobs`` compile, started now so that they re-trace while
+    this process traces; only for a manifest with compile sizes (a dynamic-only compile has too
+    few tasks to give a worker two: :func:`compile_tasks` decides later)."""
+    if jobs <= 1 or not manifest.compile_sizes:
+        return []
+    return [Worker(manifest) for _ in range(jobs - 1)]
 
 
 def _die_with_parent(parent: int) -> None:
@@ -333,17 +376,22 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _worker_main(spec_path: str) -> None:
+def _worker_main() -> None:
+    """A worker: the manifest on stdin's first line, its share on the second (none: exit)."""
     from aotc.compile.pieces import trace_and_split
 
-    spec = json.loads(Path(spec_path).read_text())
+    spec = json.loads(sys.stdin.readline())
     _die_with_parent(int(spec.get("parent", os.getppid())))
     manifest = parse_manifest(spec["manifest"], spec["file"], Path(spec["base_dir"]))
     traced = trace_and_split(manifest)
-    work = Path(spec["work"])
-    if spec.get("isa_probes"):
-        inductor_compile.keep_isa_probes(Path(spec["isa_probes"]))
-    for uid, size in spec["tasks"]:
+    line = sys.stdin.readline()
+    if not line:  # the parent needs no share after all
+        return
+    job = json.loads(line)
+    work = Path(job["work"])
+    if job.get("isa_probes"):
+        isa_probes.keep_isa_probes(Path(job["isa_probes"]))
+    for uid, size in job["tasks"]:
         piece = traced.first_of.get(uid)
         if piece is None:
             raise SystemExit(f"worker traced no piece {uid} (ids {sorted(traced.first_of)}): "
@@ -353,4 +401,4 @@ def _worker_main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1])
+    _worker_main()
