@@ -194,6 +194,45 @@ def _real_args(piece, n: int, seed: int = 0) -> list:
 
 
 @pytest.mark.slow
+def test_a_pieces_kernels_build_in_one_compiler_run(compiled, tmp_path):
+    """The piece's 3 C++ kernels: one g++ run, one library linked at each kernel's path (so a
+    load by key finds each), and each path imports as its own kernel: the fast path, recorded
+    against Inductor's artifact, reproduces the piece."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from aotc._torch import inductor_compile, kernel_pool, wrapper
+
+    piece, _arts = compiled
+    runs = len(compilation_time_metrics.get("compile_file", []))
+    c = inductor_compile.compile_piece(piece.gm, piece.example_inputs, 5, tmp_path / "one", {})
+    assert len(compilation_time_metrics.get("compile_file", [])) - runs == 1
+    libs = [c.kernel_root / r for r in c.kernel_files if kernel_pool.is_kernel(r)]
+    assert len(libs) == 3 and c.kernels == {"built": 3, "pooled": 0}
+    assert len({p.read_bytes() for p in libs}) == 1  # one library, three names
+    assert c.wrapper is not None, c.wrapper_note
+    fast = wrapper.load(wrapper.WrapperCode.from_json(c.wrapper.read_bytes()), c.kernel_root)
+    args = _real_args(piece, 5)
+    with torch.no_grad():
+        for a, b in zip(fast(*args), piece.gm(*args)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_sources_not_shaped_for_one_unit_are_left_alone():
+    from aotc._torch.kernel_batch import combine
+
+    ok = ('#include <a.h>\nextern "C"  void  kernel(float* x) { x[0] = 1; }\n'
+          "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n"
+          "#ifdef Py_GIL_DISABLED\n#endif\nPyMODINIT_FUNC PyInit_kernel(void) { return 0; }\n")
+    text = combine([("ca.main.so", ok), ("cb.main.so", ok)])
+    assert text is not None and text.count("#include <Python.h>") == 1
+    assert text.index("#define PY_SSIZE_T_CLEAN") < text.index("#include <Python.h>")
+    assert "namespace aotc_k1" in text and 'strcmp(base, "cb.main.so")' in text
+    assert combine([("a.so", ok.replace("#ifdef", "#define X 1\n#ifdef"))]) is None  # a macro
+    assert combine([("a.so", ok + 'extern "C" void kernel(int);')]) is None  # two entry points
+    assert combine([("a.so", ok.replace("#endif", "#include <b.h>\n#endif"))]) is None
+
+
+@pytest.mark.slow
 def test_kernel_pool_builds_a_shared_kernel_once_and_ships_only_the_ones_used(compiled, pieces, tmp_path):
     """A kernel already in the job's pool is not built again; a piece's kernel files are the
     libraries it uses, not everything the pool holds; what it built joins the pool."""

@@ -28,7 +28,7 @@ import torch.fx
 
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
-from aotc._torch import kernel_pool, wrapper
+from aotc._torch import kernel_batch, kernel_pool, wrapper
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
                                        kernel_files as _kernel_files)
@@ -263,7 +263,8 @@ def compile_piece(
             with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options), \
                     in_process_isa_probes():
                 t = time.perf_counter()
-                art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
+                with kernel_batch.batched_builds():
+                    art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
                 phases["inductor"] = time.perf_counter() - t
                 t = time.perf_counter()
                 art.save(path=str(artifact), format="binary")

@@ -1,0 +1,230 @@
+"""The C++ kernels of one compiled piece built by one compiler run: part of the fence around
+``torch._inductor``. Written for torch 2.11–2.13, tested on 2.13.0 (CPU).
+
+Inductor builds every CPU kernel of a generated module as its own library, one g++ run each
+(``AsyncCompile.cpp_pybinding`` → ``CppCodeCache.load_async`` → ``_worker_compile_cpp``). With
+the precompiled header on, most of such a run is fixed cost — loading the ~150 MB header and
+starting the compiler, ~0.55 s of a ~0.8 s kernel on 2 cores — so three kernels built together
+take ~1.2 s against ~2.7 s apart.
+
+Within :func:`batched_builds`, the kernels a module defines are not submitted one by one: their
+builds are held until the module waits for the first of them, then built as ONE translation
+unit — each kernel's source (its Python binding included) in a namespace of its own, the
+includes once at the top — by the very command Inductor made for the first one. The library is
+then linked at every kernel's own path (``<key>.main.so``), so everything that finds a kernel by
+its key finds it there: Inductor's loader, aotc's fast path, the kernel pool, the store (which
+keeps the one library once: the bytes are the same). Its init function is multi-phase and
+answers each import with the kernel whose file name it was imported under.
+
+Only kernels whose source has the shape this relies on are batched (one ``extern "C" void
+kernel(``, one ``PyInit_kernel``, no preprocessor lines but includes (outside conditionals),
+conditionals and pragmas, the same
+build command but for the paths); a batch whose build fails is built kernel by kernel, as
+Inductor would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["batched_builds"]
+
+_KERNEL_DEF = re.compile(r'extern\s+"C"\s+void\s+kernel\(')
+_INIT_DEF = "PyMODINIT_FUNC PyInit_kernel(void)"
+_HOISTED = re.compile(r"^\s*(#include\s*[<\"].*[>\"]|#define PY_SSIZE_T_CLEAN)\s*$")
+_KEPT = re.compile(r"^\s*#\s*(pragma|if|ifdef|ifndef|elif|else|endif)\b")
+_OPENS, _CLOSES = re.compile(r"^\s*#\s*if"), re.compile(r"^\s*#\s*endif\b")
+
+_DISPATCH = """
+static PyObject* aotc_create(PyObject* spec, PyModuleDef* def) {
+    PyObject* origin = PyObject_GetAttrString(spec, "origin");
+    if (origin == NULL) return NULL;
+    const char* path = PyUnicode_AsUTF8(origin);
+    if (path == NULL) { Py_DECREF(origin); return NULL; }
+    const char* base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    PyObject* module = NULL;
+    bool found = false;
+%s
+    if (!found) PyErr_Format(PyExc_ImportError, "aotc kernel batch: no kernel named %%s here", base);
+    Py_DECREF(origin);
+    return module;
+}
+static PyModuleDef_Slot aotc_slots[] = {{Py_mod_create, (void*)aotc_create}, {0, NULL}};
+static struct PyModuleDef aotc_def = {PyModuleDef_HEAD_INIT, "kernel", NULL, 0, NULL, aotc_slots,
+                                      NULL, NULL, NULL};
+PyMODINIT_FUNC PyInit_kernel(void) { return PyModuleDef_Init(&aotc_def); }
+"""
+
+
+def combine(sources: list[tuple[str, str]]) -> str | None:
+    """One translation unit from ``(library file name, full kernel source)`` pairs, or None
+    when a source is not shaped as :mod:`this module <aotc._torch.kernel_batch>` expects."""
+    head: list[str] = ["#include <cstring>"]
+    bodies: list[str] = []
+    cases: list[str] = []
+    for i, (name, text) in enumerate(sources):
+        if len(_KERNEL_DEF.findall(text)) != 1 or text.count(_INIT_DEF) != 1 or '"' in name:
+            return None
+        lines, depth = [], 0
+        for line in text.splitlines():
+            if _HOISTED.match(line):
+                if depth:  # an include under a condition stays where it is: not batched
+                    return None
+                if line.strip() not in head:
+                    head.append(line.strip())
+            elif line.lstrip().startswith("#") and not _KEPT.match(line):
+                return None
+            else:
+                depth += bool(_OPENS.match(line)) - bool(_CLOSES.match(line))
+                lines.append(line)
+        if depth:
+            return None
+        body = "\n".join(lines)
+        body = _KERNEL_DEF.sub("void kernel(", body).replace(_INIT_DEF, "PyObject* init_kernel(void)")
+        bodies.append(f"namespace aotc_k{i} {{\n{body}\n}}  // namespace aotc_k{i}")
+        cases.append(f'    if (!found && strcmp(base, "{name}") == 0) '
+                     f"{{ found = true; module = aotc_k{i}::init_kernel(); }}")
+    # the binding's own define must come before Python.h, which the dispatcher needs
+    head.sort(key=lambda line: (not line.startswith("#define"), line != "#include <Python.h>"))
+    if "#include <Python.h>" not in head:
+        return None
+    return "\n".join(head + bodies + [_DISPATCH % "\n".join(cases)]) + "\n"
+
+
+class _Batch:
+    """The kernel builds held so far; built together when the first is waited for."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: list[tuple[Any, _Held]] = []
+
+    def defer(self, worker_fn: Any) -> Any:
+        """``submit_fn`` for ``load_async``: hold the build; the returned future builds it."""
+        held = _Held(self)
+        with self.lock:
+            self.pending.append((worker_fn, held))
+        return held
+
+    def build(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+            if not pending:
+                return
+            try:
+                _build_together([w for w, _ in pending])
+            finally:
+                for _, held in pending:
+                    held.done = True
+
+
+class _Held:
+    """The future ``load_async`` keeps for a held build (it calls ``.result()`` before loading)."""
+
+    def __init__(self, batch: _Batch) -> None:
+        self.batch, self.done = batch, False
+
+    def result(self, timeout: float | None = None) -> None:
+        if not self.done:
+            self.batch.build()
+
+
+def _builder_of(worker_fn: Any) -> tuple[str, Any] | None:
+    """(lock path, the one CppBuilder) of Inductor's ``partial(_worker_compile_cpp, lock, (b,))``."""
+    args = getattr(worker_fn, "args", ())
+    if len(args) == 2 and isinstance(args[1], tuple) and len(args[1]) == 1:
+        return args[0], args[1][0]
+    return None
+
+
+def _build_together(worker_fns: list[Any]) -> None:
+    """Build held kernels: those that share a build command as one library, the rest alone."""
+    from torch._inductor.cpp_builder import run_compile_cmd
+
+    groups: dict[str, list[tuple[Any, str, Path, Path]]] = {}
+    alone: list[Any] = []
+    for fn in worker_fns:
+        found = _builder_of(fn)
+        if found is None:
+            alone.append(fn)
+            continue
+        lock, builder = found
+        out = Path(builder.get_target_file_path())
+        src = out.with_suffix(".cpp")
+        cmd = builder.get_command_line()
+        if out.exists() or not src.is_file() or str(src) not in cmd or str(out) not in cmd:
+            alone.append(fn)
+            continue
+        groups.setdefault(cmd.replace(str(src), "\0SRC\0").replace(str(out), "\0OUT\0"),
+                          []).append((fn, lock, src, out))
+    for command, members in groups.items():
+        if len(members) == 1 or not _try_group(command, members, run_compile_cmd):
+            alone += [fn for fn, *_ in members]
+    for fn in alone:
+        fn()
+
+
+def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: Any) -> bool:
+    from torch.utils._filelock import FileLock
+
+    first_out = members[0][3]
+    text = combine([(out.name, src.read_text(encoding="utf-8")) for _, _, src, out in members])
+    if text is None:
+        return False
+    stem = first_out.name.removesuffix(".so")
+    src = first_out.with_name(f".{stem}.batch{os.getpid()}.cpp")
+    lib = first_out.with_name(f".{stem}.batch{os.getpid()}.so")
+    build_dir = first_out.with_name(f".{stem}.batch{os.getpid()}.build")
+    try:
+        src.write_text(text, encoding="utf-8")
+        build_dir.mkdir(exist_ok=True)
+        try:
+            run(command.replace("\0SRC\0", str(src)).replace("\0OUT\0", str(lib)), cwd=str(build_dir))
+        except Exception:  # noqa: BLE001 - built one by one instead (a kernel's own error shows there)
+            return False
+        for _, lock, _, out in members:
+            with FileLock(lock, timeout=600):
+                if not out.exists():
+                    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+                    os.link(lib, partial)
+                    os.replace(partial, out)
+        return True
+    finally:
+        for p in (src, lib):
+            p.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            build_dir.rmdir()
+
+
+@contextlib.contextmanager
+def batched_builds() -> Iterator[None]:
+    """Within the block, the CPU kernels of each generated module are built by one compiler run
+    (module doc). Without Inductor's thread pool (``compile_threads`` 1) nothing changes."""
+    try:
+        from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+        from torch._inductor.codecache import CppPythonBindingsCodeCache, LambdaFuture
+    except ImportError:
+        yield
+        return
+    original = AsyncCompile.cpp_pybinding
+    batch = _Batch()
+
+    def cpp_pybinding(self: Any, argtypes: list[str], source_code: str, *rest: Any, **kw: Any) -> Any:
+        if rest or kw or get_compile_threads() <= 1:  # another torch's call, or no thread pool
+            return original(self, argtypes, source_code, *rest, **kw)
+        get_result = CppPythonBindingsCodeCache.load_pybinding_async(
+            argtypes, source_code, submit_fn=batch.defer)
+        return LambdaFuture(get_result)
+
+    AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AsyncCompile.cpp_pybinding = original  # type: ignore[method-assign]
+    batch.build()  # a build still held (none is, normally: the module waits for them all)
