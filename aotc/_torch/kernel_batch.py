@@ -218,8 +218,11 @@ def batched_builds() -> Iterator[None]:
     def cpp_pybinding(self: Any, argtypes: list[str], source_code: str, *rest: Any, **kw: Any) -> Any:
         if rest or kw or get_compile_threads() <= 1:  # another torch's call, or no thread pool
             return original(self, argtypes, source_code, *rest, **kw)
-        get_result = CppPythonBindingsCodeCache.load_pybinding_async(
-            argtypes, source_code, submit_fn=batch.defer)
+        try:
+            get_result = CppPythonBindingsCodeCache.load_pybinding_async(
+                argtypes, source_code, submit_fn=batch.defer)
+        except TypeError:  # another torch's signature: Inductor's own way
+            return original(self, argtypes, source_code)
         return LambdaFuture(get_result)
 
     AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
