@@ -194,17 +194,21 @@ def _real_args(piece, n: int, seed: int = 0) -> list:
 
 
 @pytest.mark.slow
-def test_a_pieces_kernels_build_in_one_compiler_run(compiled, tmp_path):
+@pytest.mark.parametrize("threads", [2, 1], ids=["thread-pool", "no-pool"])
+def test_a_pieces_kernels_build_in_one_compiler_run(compiled, tmp_path, threads):
     """The piece's 3 C++ kernels: one g++ run, one library linked at each kernel's path (so a
     load by key finds each), and each path imports as its own kernel: the fast path, recorded
-    against Inductor's artifact, reproduces the piece."""
+    against Inductor's artifact, reproduces the piece. With Inductor's kernel thread pool and
+    without it (``compile_threads`` 1: what importing vLLM sets, as this test session does)."""
     from torch._dynamo.utils import compilation_time_metrics
+    from torch._inductor import config
 
     from aotc._torch import inductor_compile, kernel_pool, wrapper
 
     piece, _arts = compiled
     runs = len(compilation_time_metrics.get("compile_file", []))
-    c = inductor_compile.compile_piece(piece.gm, piece.example_inputs, 5, tmp_path / "one", {})
+    with config.patch({"compile_threads": threads}):
+        c = inductor_compile.compile_piece(piece.gm, piece.example_inputs, 5, tmp_path / "one", {})
     assert len(compilation_time_metrics.get("compile_file", [])) - runs == 1
     libs = [c.kernel_root / r for r in c.kernel_files if kernel_pool.is_kernel(r)]
     assert len(libs) == 3 and c.kernels == {"built": 3, "pooled": 0}

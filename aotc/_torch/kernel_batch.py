@@ -202,10 +202,24 @@ def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: An
             build_dir.rmdir()
 
 
+class _Lazy:
+    """A kernel whose build is held, for Inductor without a thread pool (which wants the kernel
+    itself, not a future): built, with the others held, at its first call or when the block of
+    :func:`batched_builds` ends, whichever is first."""
+
+    def __init__(self, get_result: Any) -> None:
+        self._get, self._fn = get_result, None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._fn is None:
+            self._fn = self._get()
+        return self._fn(*args)
+
+
 @contextlib.contextmanager
 def batched_builds() -> Iterator[None]:
     """Within the block, the CPU kernels of each generated module are built by one compiler run
-    (module doc). Without Inductor's thread pool (``compile_threads`` 1) nothing changes."""
+    (module doc); every build still held is done when the block ends."""
     try:
         from torch._inductor.async_compile import AsyncCompile, get_compile_threads
         from torch._inductor.codecache import CppPythonBindingsCodeCache, LambdaFuture
@@ -216,18 +230,20 @@ def batched_builds() -> Iterator[None]:
     batch = _Batch()
 
     def cpp_pybinding(self: Any, argtypes: list[str], source_code: str, *rest: Any, **kw: Any) -> Any:
-        if rest or kw or get_compile_threads() <= 1:  # another torch's call, or no thread pool
+        if rest or kw:  # another torch's call: Inductor's own way
             return original(self, argtypes, source_code, *rest, **kw)
         try:
             get_result = CppPythonBindingsCodeCache.load_pybinding_async(
                 argtypes, source_code, submit_fn=batch.defer)
         except TypeError:  # another torch's signature: Inductor's own way
             return original(self, argtypes, source_code)
-        return LambdaFuture(get_result)
+        if get_compile_threads() > 1:
+            return LambdaFuture(get_result)  # the module waits for it
+        return _Lazy(get_result)  # no thread pool (vLLM sets 1): resolved at its first call
 
     AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
     try:
         yield
     finally:
         AsyncCompile.cpp_pybinding = original  # type: ignore[method-assign]
-    batch.build()  # a build still held (none is, normally: the module waits for them all)
+    batch.build()  # what is still held (without a thread pool: all of it) is built now
