@@ -19,7 +19,6 @@ header as before.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
+from aotc._torch.isa_probes import seed_isa_probes
 
 __all__ = ["start_header_build"]
 
@@ -66,9 +66,7 @@ def start_header_build(options: dict[str, Any], isa_probes: dict[str, Path]) -> 
     if options:
         return None
     with tempfile.TemporaryDirectory(prefix="aotc-header-") as tmp:
-        for rel, src in isa_probes.items():
-            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, Path(tmp) / rel)
+        seed_isa_probes(Path(tmp), isa_probes)
         try:
             with inductor_cache_dir(tmp), _config_patch({}), in_process_isa_probes():
                 made = _header_command()

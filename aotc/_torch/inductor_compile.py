@@ -32,7 +32,7 @@ from aotc._torch import kernel_batch, kernel_pool, wrapper
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
                                        kernel_files as _kernel_files)
-from aotc._torch.isa_probes import isa_probe_files
+from aotc._torch.isa_probes import isa_probe_files, seed_isa_probes
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
 __all__ = ["CompiledPiece", "compile_piece", "piece_cache_key", "static_example_inputs"]
@@ -253,9 +253,7 @@ def compile_piece(
         key = piece_cache_key(gm, inputs, dynamic, options=options)
     probes = isa_probe_files()
     with tempfile.TemporaryDirectory(prefix="aotc-inductor-", dir=tmp_root) as tmp:
-        for rel, src in probes.items():  # seed: the ISA check at compile and load finds them
-            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, Path(tmp) / rel)
+        seed_isa_probes(Path(tmp), probes)
         seeded = kernel_pool.seed(pool, Path(tmp))
         phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
         timed = _timed_metrics()

@@ -18,7 +18,8 @@ from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
                                        kernel_files as _kernel_files)
 
-__all__ = ["isa_probe_files", "keep_isa_probes", "kept_isa_probes", "machine_isa_probe_dir"]
+__all__ = ["isa_probe_files", "keep_isa_probes", "kept_isa_probes", "machine_isa_probe_dir",
+           "seed_isa_probes"]
 
 _probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see isa_probe_files)
 # the probes a compile with ``cpp.vec_isa_ok`` runs (the ISA extensions: ~1.5 s, not ~10 s)
@@ -143,3 +144,11 @@ def _keep_probes(src: Path, dest: Path) -> None:
         os.rename(partial, dest)  # whole or not at all; a concurrent process may win: fine
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def seed_isa_probes(cache_dir: Path, probes: dict[str, Path]) -> None:
+    """Copy the ISA probe libraries (:func:`isa_probe_files`) into an Inductor cache dir, where
+    the ISA check at compile and at load finds them instead of building them."""
+    for rel, src in probes.items():
+        (cache_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, cache_dir / rel)

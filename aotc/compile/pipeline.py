@@ -218,12 +218,13 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         for rel, role in kernel_roles.items():
             blobs[role] = kernel_root / rel
         n_compiles = sum(not c.reused for c in compiled.values())
+        steps, kernels = profile(compiled.values()), kernel_builds(compiled.values())
         metadata = {"shared_from": sorted(set(shared.values())),
             "probe": compute_key(base), "pieces": len(parts.pieces), "unique_pieces": len(first_of),
             "compiles": n_compiles, "shapes": ["dynamic" if s is None else str(s) for s in shapes],
             "numerics": numerics, "torch": toolchain["toolchain"].get("torch"), "device": manifest.device,
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
-            "profile": profile(compiled.values()), "kernels": kernel_builds(compiled.values()),
+            "profile": steps, "kernels": kernels,
         }
         entry = store.put(key, manifest.name, blobs, factors=factors, metadata=metadata)
         seconds["store"] = time.perf_counter() - t
@@ -235,8 +236,7 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
         store=str(store.root), resumed=sum(c.reused for t, c in compiled.items() if t not in shared),
-        resumed_from=reused_from, shared=len(shared), profile=profile(compiled.values()),
-        kernels=kernel_builds(compiled.values()))
+        resumed_from=reused_from, shared=len(shared), profile=steps, kernels=kernels)
 
 
 def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,
