@@ -30,7 +30,7 @@ def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:
 @json_option
 @quiet_option
 @click.option("-j", "--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Compile pieces in N processes (each re-traces the model once).")
+              help="Compile pieces in N processes (forked after the split).")
 @click.pass_context
 @guard
 def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: bool, quiet: bool,

@@ -33,9 +33,8 @@ from aotc.lookup.toolchain import fingerprint, machine_factors
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.runtime.runner import Runner
 from aotc.runtime.rehydrate import rehydrate
-from aotc.compile.workers import (Worker, artifact_files, compile_tasks, discard, kernel_builds,
-                                  merge_kernels, note_check_failed, profile, resumed_from,
-                                  start_workers)
+from aotc.compile.workers import (artifact_files, compile_tasks, discard, kernel_builds,
+                                  merge_kernels, note_check_failed, profile, resumed_from)
 from aotc.compile.pieces import trace_and_split
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import splitting_op_of
@@ -132,20 +131,13 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
-    # the workers re-trace, and the kernels' precompiled header (~5 s on a cold machine) builds,
-    # while this process traces
-    started = start_workers(manifest, jobs)
-    try:
-        header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
-        return _compile_traced(manifest, store, force, progress, jobs, started, toolchain, base,
-                               seconds)
-    finally:
-        for w in started:
-            w.kill()
+    # the kernels' precompiled header (~5 s on a cold machine) builds while this process traces
+    header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
+    return _compile_traced(manifest, store, force, progress, jobs, toolchain, base, seconds)
 
 
 def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progress, jobs: int,
-                    started: list[Worker], toolchain: dict[str, Any], base: dict[str, Any],
+                    toolchain: dict[str, Any], base: dict[str, Any],
                     seconds: dict[str, float]) -> CompileResult:
     """Trace, split, compile, check and store (a miss of ``compile_manifest``)."""
     traced = trace_and_split(manifest, progress, seconds)
@@ -172,7 +164,7 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         reused_from = resumed_from(claimed.path)
         shared = {} if force else seed_from_store(store, claimed.path, tasks, factors)
         compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs,
-                                 shared=shared, started=started)
+                                 shared=shared)
         kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
         try:

@@ -7,12 +7,15 @@ reuses instead of compiling again (``work`` is the store's per-key work director
 compiles of one key take a task's lock (``flock``, released by the kernel if its holder dies)
 before building it, so each task is built once and the others reuse it.
 
-A worker cannot be handed a piece (its graph carries fake tensors with symbolic sizes, which do
-not cross processes), so each worker rebuilds the model and re-traces it — deterministic, a few
-seconds, started as soon as the compile knows it will compile, so it runs beside the parent's own
-trace — then reads its share on stdin, compiles it and reports each artifact as one JSON line on
-stdout. The parent compiles a share itself meanwhile. Ids must agree: both sides use
-``aotc.compile.pieces``.
+A worker is forked from the compiling process once the pieces are split (a piece's graph
+carries fake tensors with symbolic sizes, which do not cross processes; a forked child has them
+in memory, so nothing is re-traced or sent). The tasks wait in one queue — a pipe holding their
+indices, written whole before the fork; a read of one index is atomic, so every process takes
+the next free task when it is free (no fixed shares: pieces differ in cost). Each worker reports
+its results as JSON lines on its own pipe; the parent compiles from the queue meanwhile, then
+compiles whatever a worker that died did not report. The child first resets what a fork leaves
+broken (``aotc._torch.forked``: OpenMP's thread team, Inductor's build pool) and always leaves
+with ``os._exit`` (the parent's cleanup is the parent's).
 """
 
 from __future__ import annotations
@@ -22,19 +25,21 @@ import json
 import os
 import shutil
 import signal
-import subprocess
+import struct
 import sys
 import tempfile
 import threading
+import traceback
+import warnings
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
-from aotc._torch import inductor_compile, isa_probes
+from aotc._torch import forked, inductor_compile
 from aotc.counters import COUNTERS
 from aotc.errors import CompileError
-from aotc.manifest import Manifest, parse_manifest
+from aotc.manifest import Manifest
 from aotc.progress import Progress
 from aotc.compile.split import Piece
 
@@ -180,31 +185,29 @@ def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
 
 def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: list[Task], work: Path,
                   progress: Progress, jobs: int = 1, options: dict[str, Any] | None = None,
-                  shared: dict[Task, str] | None = None,
-                  started: list[Worker] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
-    """Compile every task; with ``jobs`` > 1, ``jobs - 1`` workers take a share each (workers
-    re-trace the manifest's model: without a manifest — a graph the backend was handed — every
-    task compiles here). ``options``: Inductor patches (default: the manifest's). ``shared``: the
-    tasks seeded from other stored entries (``aotc.compile.reuse``), for the progress line.
-    ``started``: workers :func:`start_workers` started earlier (the ones not needed are stopped)."""
+                  shared: dict[Task, str] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
+    """Compile every task; with ``jobs`` > 1, in that many processes (``jobs - 1`` forked
+    workers, see the module doc; only with a manifest — a graph the backend was handed compiles
+    inside a server's process, which is not forked). ``options``: Inductor patches (default:
+    the manifest's). ``shared``: the tasks seeded from other stored entries
+    (``aotc.compile.reuse``), for the progress line."""
     options = dict(manifest.inductor) if manifest is not None else dict(options or {})
-    if manifest is None:
+    if manifest is None or not hasattr(os, "fork") or len(tasks) > TaskQueue.LIMIT:
         jobs = 1
     results: dict[Task, inductor_compile.CompiledPiece] = {}
     lock = threading.Lock()
     total = len(tasks)
 
-    def done(task: Task, c: inductor_compile.CompiledPiece) -> None:
+    def done(task: Task, c: inductor_compile.CompiledPiece, by: str = "") -> None:
         with lock:
             results[task] = c
-            progress.step(len(results), total, _label(*task) + (" (resumed)" if c.reused else ""))
+            progress.step(len(results), total, _label(*task) + (" (resumed)" if c.reused else "")
+                          + (f" ({by})" if by else ""))
 
     # finished by an earlier, interrupted compile of this key: not compiled again
     reused = {t: c for t in tasks if (c := _reuse(work, *t, repair=False)) is not None}
     todo = [t for t in tasks if t not in reused]
-    # a worker re-traces the model first (a few seconds of a core): worth it for 2 tasks or more
-    jobs = max(1, min(jobs, len(todo) // 2))
-    shares = [todo[i::jobs] for i in range(jobs)]
+    jobs = max(1, min(jobs, len(todo)))
     shared = shared or {}
     resumed = len(set(reused) - set(shared))
     progress.step(0, total, "compiling" + (f" in {jobs} processes" if jobs > 1 else "")
@@ -212,20 +215,25 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
                   + (f", {resumed} reused from {resumed_from(work)}" if resumed else ""))
     for task, c in reused.items():
         done(task, c)
-    started = list(started or [])
-    for w in started[jobs - 1:]:
-        w.kill()
-    workers = started[:jobs - 1]
-    workers += [Worker(manifest) for _ in range(jobs - 1 - len(workers))]  # type: ignore[arg-type]
+    queue = TaskQueue(todo) if jobs > 1 else None
+    workers: list[ForkedWorker] = []
     try:
-        for w, share in zip(workers, shares[1:]):
-            w.start(share, work, done)
-        compile_here(first_of, shares[0], work, options, done)
+        if queue is not None:
+            workers = [ForkedWorker(first_of, queue, work, options, done, f"worker {i}")
+                   for i in range(1, jobs)]
+        compile_here(first_of, queue if queue is not None else todo, work, options, done)
         for w in workers:
             w.wait()
+            if w.error():
+                progress.note(f"compile {w.name} failed after {w.received} piece(s); this process "
+                              f"compiles what it left: {w.error()}")
+        # what a worker that died took and did not report (its error, if genuine, comes again)
+        compile_here(first_of, [t for t in todo if t not in results], work, options, done)
     finally:
         for w in workers:
             w.kill()
+        if queue is not None:
+            queue.close()
     return results
 
 
@@ -275,92 +283,139 @@ def merge_kernels(compiled: Any, root: Path) -> set[str]:
     return seen
 
 
-def compile_here(first_of: dict[str, Piece], tasks: list[Task], work: Path, options: dict[str, Any],
+def compile_here(first_of: dict[str, Piece], tasks: Any, work: Path, options: dict[str, Any],
                  done: Any) -> None:
-    """Compile ``tasks`` in this process, one after another, each into ``work`` (or taken from a
-    finished result there); ``done(task, compiled)`` after each."""
+    """Compile ``tasks`` (a list, or a :class:`TaskQueue` to take them from) in this process,
+    one after another, each into ``work`` (or taken from a finished result there);
+    ``done(task, compiled)`` after each."""
     for uid, size in tasks:
         done((uid, size), _compile_into(work, uid, first_of[uid], size, options))
 
 
-class Worker:
-    """One ``python -m aotc.compile.workers`` process and the thread reading its results. It
-    starts re-tracing the manifest's model at once — beside the parent's own trace — and is
-    handed its share (:meth:`start`) once the parent knows the tasks."""
+class TaskQueue:
+    """The tasks of one compile, shared by its processes: their indices in a pipe, written whole
+    (and its write end closed) before any worker is forked. Iterating takes the next task no
+    process has taken yet; an empty pipe reads as the end."""
 
-    def __init__(self, manifest: Manifest) -> None:
-        self.share: list[Task] = []
-        self.done: Any = None
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - its stderr, for errors
-        self.proc = subprocess.Popen([sys.executable, "-m", "aotc.compile.workers"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True)
-        spec = {"manifest": manifest.to_dict(), "file": str(manifest.path or "<manifest>"),
-                "base_dir": str(manifest.base_dir or Path.cwd()), "parent": os.getpid()}
-        self._send(spec, last=False)
-        self.received = 0
-        self.thread: threading.Thread | None = None
+    _INDEX = struct.Struct("<I")
+    LIMIT = 4000  # indices that fit a pipe's buffer everywhere (16 KiB), so the write never blocks
 
-    def _send(self, message: dict[str, Any], last: bool) -> None:
-        assert self.proc.stdin is not None
+    def __init__(self, tasks: list[Task]) -> None:
+        if len(tasks) > self.LIMIT:
+            raise CompileError(f"{len(tasks)} tasks for one queue; at most {self.LIMIT}")
+        self.tasks = list(tasks)
+        self.read_fd, write_fd = os.pipe()
         try:
-            self.proc.stdin.write(json.dumps(message) + "\n")
-            self.proc.stdin.flush()
-            if last:
-                self.proc.stdin.close()
-        except OSError:  # it died (its log says why): wait() reports it
-            pass
+            os.write(write_fd, b"".join(self._INDEX.pack(i) for i in range(len(self.tasks))))
+        finally:
+            os.close(write_fd)
 
-    def start(self, share: list[Task], work: Path, done: Any) -> None:
-        """Hand the worker its share of tasks, to compile into ``work``; ``done`` per result."""
-        self.share, self.done = share, done
-        self._send({"tasks": [[u, s] for u, s in share], "work": str(work),
-                    "isa_probes": str(isa_probes.kept_isa_probes() or "")}, last=True)
+    def __iter__(self) -> Iterator[Task]:
+        while True:
+            raw = os.read(self.read_fd, self._INDEX.size)  # one index, whole (pipe reads are)
+            if len(raw) < self._INDEX.size:
+                return
+            yield self.tasks[self._INDEX.unpack(raw)[0]]
+
+    def close(self) -> None:
+        """Release the pipe (idempotent)."""
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            self.read_fd = -1
+
+
+class ForkedWorker:
+    """A child of this process, forked now, that compiles tasks from ``queue`` until it is empty
+    and reports each result to ``done`` (from a thread reading its pipe); see the module doc."""
+
+    def __init__(self, first_of: dict[str, Piece], queue: TaskQueue, work: Path,
+                 options: dict[str, Any], done: Any, name: str) -> None:
+        self.done, self.name = done, name
+        self.received = 0
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - the child's stdout and stderr
+        read_fd, write_fd = os.pipe()
+        parent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            stream.flush()
+        with warnings.catch_warnings():  # 3.12 warns of fork with threads: see aotc._torch.forked
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(read_fd)
+            _child_main(first_of, queue, work, options, write_fd, self.log.fileno(), parent)
+        os.close(write_fd)
+        self.pid = pid
+        self.status: int | None = None
+        self.results = os.fdopen(read_fd, "r")
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        for line in self.results:
             if line.startswith("{"):
                 task, c = _from_json(line)
                 if not c.reused:
                     COUNTERS.compiles += 1  # an Inductor compile ran, in the worker
                 self.received += 1
-                self.done(task, c)
+                self.done(task, c, self.name)
 
     def wait(self) -> None:
-        """Wait for the share; raise :class:`CompileError` if the worker did not deliver it."""
-        if self.thread is None:
-            return
-        rc = self.proc.wait()
+        """Wait for the worker to finish the queue (a worker that failed leaves its unreported
+        tasks to the parent; its log is in :meth:`error`)."""
+        if self.status is None:
+            self.status = os.waitpid(self.pid, 0)[1]
         self.thread.join()
-        if rc != 0 or self.received != len(self.share):
-            self.log.seek(0)
-            tail = " | ".join(self.log.read().strip().splitlines()[-3:])
-            raise CompileError(f"compile worker exited with {rc} after {self.received}/"
-                               f"{len(self.share)} pieces: {tail[-600:]}")
+
+    def error(self) -> str:
+        """Why the worker failed: its exit and the last lines it wrote ("" when it exited
+        cleanly, or has not exited)."""
+        if self.status in (None, 0):
+            return ""
+        how = (f"killed by signal {os.WTERMSIG(self.status)}" if os.WIFSIGNALED(self.status)
+               else f"exit status {os.waitstatus_to_exitcode(self.status)}")
+        self.log.seek(0)
+        tail = " | ".join(self.log.read().strip().splitlines()[-3:])[-600:]
+        return how + (f": {tail}" if tail else "")
 
     def kill(self) -> None:
         """Stop the worker now (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout, self.log):
+        if self.status is None:
             try:
-                if f is not None:
-                    f.close()
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.status = os.waitpid(self.pid, 0)[1]
+        self.thread.join(timeout=5)
+        for f in (self.results, self.log):
+            try:
+                f.close()
             except OSError:
                 pass
 
 
-def start_workers(manifest: Manifest, jobs: int) -> list[Worker]:
-    """The ``jobs - 1`` workers of a ``-j jobs`` compile, started now so that they re-trace while
-    this process traces; only for a manifest with compile sizes (a dynamic-only compile has too
-    few tasks to give a worker two: :func:`compile_tasks` decides later)."""
-    if jobs <= 1 or not manifest.compile_sizes:
-        return []
-    return [Worker(manifest) for _ in range(jobs - 1)]
+def _child_main(first_of: dict[str, Piece], queue: TaskQueue, work: Path, options: dict[str, Any],
+                out_fd: int, log_fd: int, parent: int) -> None:
+    """A forked worker's whole life: take tasks until the queue is empty, report each on
+    ``out_fd``, leave with ``os._exit`` (0 when every taken task was reported)."""
+    code = 1
+    try:
+        os.dup2(log_fd, 1)  # the parent's stdout may be a --json answer
+        os.dup2(log_fd, 2)
+        _die_with_parent(parent)
+        forked.after_fork_in_child()
+        with os.fdopen(out_fd, "w") as out:
+            for uid, size in queue:
+                c = _compile_into(work, uid, first_of[uid], size, options)
+                out.write(_to_json(uid, c) + "\n")
+                out.flush()
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported in the log; the parent compiles the rest
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -371,34 +426,6 @@ def _die_with_parent(parent: int) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return  # not Linux: a killed parent's worker finishes its share, writes nothing visible
+        return  # not Linux: a killed parent's worker finishes its task, writes nothing visible
     if os.getppid() != parent:  # the parent died before the call above (reparented)
         os._exit(1)
-
-
-def _worker_main() -> None:
-    """A worker: the manifest on stdin's first line, its share on the second (none: exit)."""
-    from aotc.compile.pieces import trace_and_split
-
-    spec = json.loads(sys.stdin.readline())
-    _die_with_parent(int(spec.get("parent", os.getppid())))
-    manifest = parse_manifest(spec["manifest"], spec["file"], Path(spec["base_dir"]))
-    traced = trace_and_split(manifest)
-    line = sys.stdin.readline()
-    if not line:  # the parent needs no share after all
-        return
-    job = json.loads(line)
-    work = Path(job["work"])
-    if job.get("isa_probes"):
-        isa_probes.keep_isa_probes(Path(job["isa_probes"]))
-    for uid, size in job["tasks"]:
-        piece = traced.first_of.get(uid)
-        if piece is None:
-            raise SystemExit(f"worker traced no piece {uid} (ids {sorted(traced.first_of)}): "
-                             "the model does not trace deterministically")
-        c = _compile_into(work, uid, piece, size, dict(manifest.inductor))
-        print(_to_json(uid, c), flush=True)
-
-
-if __name__ == "__main__":
-    _worker_main()
