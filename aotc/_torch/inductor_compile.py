@@ -35,7 +35,8 @@ from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir
 from aotc._torch.isa_probes import isa_probe_files, seed_isa_probes
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
-__all__ = ["CompiledPiece", "compile_piece", "piece_cache_key", "static_example_inputs"]
+__all__ = ["CompiledPiece", "PendingPiece", "compile_piece", "finish_piece", "piece_cache_key",
+           "start_piece", "static_example_inputs"]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +206,32 @@ def _options_digest(options: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+@dataclasses.dataclass
+class PendingPiece:
+    """A piece :func:`start_piece` compiled whose kernels are held in a
+    :class:`~aotc._torch.kernel_batch.KernelBatch` (not built yet); :func:`finish_piece` ends it.
+    Its scratch Inductor cache dir ``tmp`` lives until then (:meth:`discard` on failure)."""
+
+    gm: torch.fx.GraphModule
+    inputs: list[Any]
+    size: int | None
+    out_dir: Path
+    key: str
+    tmp: Path
+    art: Any
+    seeded: list[str]
+    probes: dict[str, Path]
+    pool: Path | None
+    real: dict[int, Any]
+    phases: dict[str, float]
+    t0: float
+    batch: kernel_batch.KernelBatch
+
+    def discard(self) -> None:
+        """Remove the scratch dir (the piece is not finished)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def compile_piece(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -231,37 +258,60 @@ def compile_piece(
     under ``out_dir/kernels/``; raises :class:`CompileError` on any failure. Inductor's scratch
     cache dir is made under ``tmp_root`` (default: the system's temp dir). ``pool``: the job's
     :mod:`~aotc._torch.kernel_pool` — kernels already built there are not built again, and the
-    ones this compile builds are added to it.
+    ones this compile builds are added to it. (:func:`start_piece` then :func:`finish_piece`,
+    with the piece's kernels built by one compiler run in between.)
     """
+    batch = kernel_batch.KernelBatch()
+    pending = start_piece(gm, example_inputs, size, out_dir, options, tmp_root, real_inputs, key,
+                          pool, batch)
+    try:
+        batch.build()
+        return finish_piece(pending)
+    finally:
+        pending.discard()
+
+
+def start_piece(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    size: int | None,
+    out_dir: Path,
+    options: dict[str, Any] | None,
+    tmp_root: Path | None,
+    real_inputs: dict[int, Any] | None,
+    key: str | None,
+    pool: Path | None,
+    batch: kernel_batch.KernelBatch,
+) -> PendingPiece:
+    """The first half of :func:`compile_piece` (same arguments): Inductor compiles and the
+    artifact is saved, the piece's C++ kernels held in ``batch`` — the caller builds the batch
+    (the kernels of several pieces by one compiler run), then calls :func:`finish_piece`."""
     import time
 
     options = dict(options or {})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kernel_root = out_dir / "kernels"
     artifact = out_dir / "artifact.bin"
     dynamic = size is None
     real = dict(real_inputs or {})
-
-    def with_real(values: list[Any]) -> list[Any]:
-        return [real.get(i, v) for i, v in enumerate(values)]
-
-    inputs = list(example_inputs) if dynamic else with_real(static_example_inputs(example_inputs, size))
+    inputs = (list(example_inputs) if dynamic
+              else [real.get(i, v) for i, v in enumerate(static_example_inputs(example_inputs, size))])
     mode = "from_graph" if dynamic else "from_example_inputs"
     t0 = t_key = time.perf_counter()
     if key is None:
         key = piece_cache_key(gm, inputs, dynamic, options=options)
     probes = isa_probe_files()
-    with tempfile.TemporaryDirectory(prefix="aotc-inductor-", dir=tmp_root) as tmp:
-        seed_isa_probes(Path(tmp), probes)
-        seeded = kernel_pool.seed(pool, Path(tmp))
+    tmp = Path(tempfile.mkdtemp(prefix="aotc-inductor-", dir=tmp_root))
+    try:
+        seed_isa_probes(tmp, probes)
+        seeded = kernel_pool.seed(pool, tmp)
         phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
         timed = _timed_metrics()
         try:
-            with inductor_cache_dir(tmp), torch.no_grad(), _config_patch(options), \
+            with inductor_cache_dir(str(tmp)), torch.no_grad(), _config_patch(options), \
                     in_process_isa_probes():
                 t = time.perf_counter()
-                with kernel_batch.batched_builds():
+                with kernel_batch.batched_builds(batch):
                     art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
                 phases["inductor"] = time.perf_counter() - t
                 t = time.perf_counter()
@@ -276,26 +326,47 @@ def compile_piece(
         for name, spent in _timed_metrics().items():  # inside Inductor's own time, by step
             if spent - timed.get(name, 0.0) > 0:
                 phases[f"inductor.{_METRICS[name]}"] = spent - timed.get(name, 0.0)
-        t = time.perf_counter()
-        pooled = kernel_pool.prune(Path(tmp), seeded)
-        files = _kernel_files(Path(tmp))
-        vals = inputs if not dynamic else with_real(static_example_inputs(inputs, _CHECK_TOKENS))
-        note = wrapper.record_fast_path(art, vals, Path(tmp), files, out_dir / "wrapper.json",
-                                        undefined_outputs(gm))
-        phases["fast-path check"] = time.perf_counter() - t
-        t = time.perf_counter()
-        for rel in files:
-            dst = kernel_root / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(tmp) / rel, dst)
-        built = [rel for rel in files if rel not in pooled and rel not in probes]
-        kernel_pool.add(pool, kernel_root, built)
-        phases["copy kernels"] = time.perf_counter() - t
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PendingPiece(gm, inputs, size, out_dir, key, tmp, art, seeded, probes, pool, real,
+                        phases, t0, batch)
+
+
+def finish_piece(p: PendingPiece, build_seconds: float = 0.0) -> CompiledPiece:
+    """The second half of :func:`compile_piece`, once the batch holding ``p``'s kernels is
+    built: the kernel files (the pool's seeded libraries it did not use dropped), the fast-path
+    record checked against Inductor's artifact, the kernels copied beside the artifact.
+    ``build_seconds``: this piece's share of the batch's compiler run (for its profile).
+    The scratch dir stays for the caller to :meth:`~PendingPiece.discard`."""
+    import time
+
+    tmp, phases = p.tmp, p.phases
+    if build_seconds:
+        phases["c++ batch"] = phases.get("c++ batch", 0.0) + build_seconds
+    t = time.perf_counter()
+    pooled = kernel_pool.prune(tmp, p.seeded)
+    files = _kernel_files(tmp)
+    # a library built once for several pieces of the batch counts as built by the first only
+    pooled |= {rel for rel in files if (tmp / rel).resolve() in p.batch.linked}
+    vals = p.inputs if p.size is not None else [
+        p.real.get(i, v) for i, v in enumerate(static_example_inputs(p.inputs, _CHECK_TOKENS))]
+    kernel_root = p.out_dir / "kernels"
+    note = wrapper.record_fast_path(p.art, vals, tmp, files, p.out_dir / "wrapper.json",
+                                    undefined_outputs(p.gm))
+    phases["fast-path check"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for rel in files:
+        dst = kernel_root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(tmp / rel, dst)
+    built = [rel for rel in files if rel not in pooled and rel not in p.probes]
+    kernel_pool.add(p.pool, kernel_root, built)
+    phases["copy kernels"] = time.perf_counter() - t
     _ours.compiles += 1
-    return CompiledPiece(artifact, kernel_root, tuple(files), size, key,
-                         time.perf_counter() - t0, None if note else out_dir / "wrapper.json", note,
+    return CompiledPiece(p.out_dir / "artifact.bin", kernel_root, tuple(files), p.size, p.key,
+                         time.perf_counter() - p.t0,
+                         None if note else p.out_dir / "wrapper.json", note,
                          phases={k: round(v, 4) for k, v in phases.items()},
                          kernels={"built": sum(map(kernel_pool.is_kernel, built)),
                                   "pooled": len(pooled)})
-
-

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["batched_builds"]
+__all__ = ["KernelBatch", "batched_builds"]
 
 _KERNEL_DEF = re.compile(r'extern\s+"C"\s+void\s+kernel\(')
 _INIT_DEF = "PyMODINIT_FUNC PyInit_kernel(void)"
@@ -98,12 +98,18 @@ def combine(sources: list[tuple[str, str]]) -> str | None:
     return "\n".join(head + bodies + [_DISPATCH % "\n".join(cases)]) + "\n"
 
 
-class _Batch:
-    """The kernel builds held so far; built together when the first is waited for."""
+class KernelBatch:
+    """The kernel builds held so far; built together when the first is waited for, or when
+    :meth:`build` is called (a batch given to :func:`batched_builds` spans several compiles)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pending: list[tuple[Any, _Held]] = []
+        # library paths that got a library built for another compile of the same kernel
+        self.linked: set[Path] = set()
+
+    def __len__(self) -> int:
+        return len(self.pending)
 
     def defer(self, worker_fn: Any) -> Any:
         """``submit_fn`` for ``load_async``: hold the build; the returned future builds it."""
@@ -113,12 +119,13 @@ class _Batch:
         return held
 
     def build(self) -> None:
+        """Build every held kernel now (one compiler run per build command)."""
         with self.lock:
             pending, self.pending = self.pending, []
             if not pending:
                 return
             try:
-                _build_together([w for w, _ in pending])
+                _build_together([w for w, _ in pending], self.linked)
             finally:
                 for _, held in pending:
                     held.done = True
@@ -127,7 +134,7 @@ class _Batch:
 class _Held:
     """The future ``load_async`` keeps for a held build (it calls ``.result()`` before loading)."""
 
-    def __init__(self, batch: _Batch) -> None:
+    def __init__(self, batch: KernelBatch) -> None:
         self.batch, self.done = batch, False
 
     def result(self, timeout: float | None = None) -> None:
@@ -143,8 +150,9 @@ def _builder_of(worker_fn: Any) -> tuple[str, Any] | None:
     return None
 
 
-def _build_together(worker_fns: list[Any]) -> None:
-    """Build held kernels: those that share a build command as one library, the rest alone."""
+def _build_together(worker_fns: list[Any], linked: set[Path]) -> None:
+    """Build held kernels: those that share a build command as one library, the rest alone.
+    The paths given a copy of a library built for another compile are added to ``linked``."""
     from torch._inductor.cpp_builder import run_compile_cmd
 
     groups: dict[str, list[tuple[Any, str, Path, Path]]] = {}
@@ -164,13 +172,49 @@ def _build_together(worker_fns: list[Any]) -> None:
         groups.setdefault(cmd.replace(str(src), "\0SRC\0").replace(str(out), "\0OUT\0"),
                           []).append((fn, lock, src, out))
     for command, members in groups.items():
-        if len(members) == 1 or not _try_group(command, members, run_compile_cmd):
-            alone += [fn for fn, *_ in members]
+        # one kernel held by several compiles (its library at the same name in each cache dir):
+        # compiled once, linked at every path
+        first: dict[str, tuple[Any, str, Path, Path]] = {}
+        for m in members:
+            first.setdefault(m[3].name, m)
+        unique = list(first.values())
+        if len(unique) == 1 and len(members) > 1 and _link_copies(unique[0], members):
+            linked.update(m[3].resolve() for m in members if m is not unique[0])
+            continue
+        if len(unique) > 1 and _try_group(command, unique, run_compile_cmd, members):
+            linked.update(m[3].resolve() for m in members if first[m[3].name] is not m)
+            continue
+        alone += [fn for fn, *_ in members]
     for fn in alone:
         fn()
 
 
-def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: Any) -> bool:
+def _link_copies(built: tuple[Any, str, Path, Path], members: list[tuple[Any, str, Path, Path]]) -> bool:
+    """Build one kernel as Inductor would, then link its library at the other members' paths."""
+    from torch.utils._filelock import FileLock
+
+    built[0]()
+    lib = built[3]
+    if not lib.is_file():
+        return False
+    for _, lock, _, out in members:
+        if out != lib:
+            with FileLock(lock, timeout=600):
+                _link_into_place(lib, out)
+    return True
+
+
+def _link_into_place(lib: Path, out: Path) -> None:
+    if not out.exists():
+        partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+        os.link(lib, partial)
+        os.replace(partial, out)
+
+
+def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: Any,
+               every: list[tuple[Any, str, Path, Path]]) -> bool:
+    """Build ``members`` (distinct kernels) as one library, linked at the path of each of
+    ``every`` (the members and their copies in other cache dirs); False if it did not build."""
     from torch.utils._filelock import FileLock
 
     first_out = members[0][3]
@@ -188,12 +232,9 @@ def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: An
             run(command.replace("\0SRC\0", str(src)).replace("\0OUT\0", str(lib)), cwd=str(build_dir))
         except Exception:  # noqa: BLE001 - built one by one instead (a kernel's own error shows there)
             return False
-        for _, lock, _, out in members:
+        for _, lock, _, out in every:
             with FileLock(lock, timeout=600):
-                if not out.exists():
-                    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
-                    os.link(lib, partial)
-                    os.replace(partial, out)
+                _link_into_place(lib, out)
         return True
     finally:
         for p in (src, lib):
@@ -217,9 +258,11 @@ class _Lazy:
 
 
 @contextlib.contextmanager
-def batched_builds() -> Iterator[None]:
+def batched_builds(batch: KernelBatch | None = None) -> Iterator[None]:
     """Within the block, the CPU kernels of each generated module are built by one compiler run
-    (module doc); every build still held is done when the block ends."""
+    (module doc); every build still held is done when the block ends. With a ``batch`` of the
+    caller's, the kernels are held in it instead — never waited for by the module (each resolves
+    at its first call) — until the caller builds it: the kernels of several compiles, one run."""
     try:
         from torch._inductor.async_compile import AsyncCompile, get_compile_threads
         from torch._inductor.codecache import CppPythonBindingsCodeCache, LambdaFuture
@@ -227,7 +270,8 @@ def batched_builds() -> Iterator[None]:
         yield
         return
     original = AsyncCompile.cpp_pybinding
-    batch = _Batch()
+    held_by_caller = batch is not None
+    batch = batch if batch is not None else KernelBatch()
 
     def cpp_pybinding(self: Any, argtypes: list[str], source_code: str, *rest: Any, **kw: Any) -> Any:
         if rest or kw:  # another torch's call: Inductor's own way
@@ -237,7 +281,7 @@ def batched_builds() -> Iterator[None]:
                 argtypes, source_code, submit_fn=batch.defer)
         except TypeError:  # another torch's signature: Inductor's own way
             return original(self, argtypes, source_code)
-        if get_compile_threads() > 1:
+        if get_compile_threads() > 1 and not held_by_caller:
             return LambdaFuture(get_result)  # the module waits for it
         return _Lazy(get_result)  # no thread pool (vLLM sets 1): resolved at its first call
 
@@ -246,4 +290,5 @@ def batched_builds() -> Iterator[None]:
         yield
     finally:
         AsyncCompile.cpp_pybinding = original  # type: ignore[method-assign]
-    batch.build()  # what is still held (without a thread pool: all of it) is built now
+    if not held_by_caller:
+        batch.build()  # what is still held (without a thread pool: all of it) is built now

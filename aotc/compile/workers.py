@@ -7,15 +7,11 @@ reuses instead of compiling again (``work`` is the store's per-key work director
 compiles of one key take a task's lock (``flock``, released by the kernel if its holder dies)
 before building it, so each task is built once and the others reuse it.
 
-A worker is forked from the compiling process once the pieces are split (a piece's graph
-carries fake tensors with symbolic sizes, which do not cross processes; a forked child has them
-in memory, so nothing is re-traced or sent). The tasks wait in one queue — a pipe holding their
-indices, written whole before the fork; a read of one index is atomic, so every process takes
-the next free task when it is free (no fixed shares: pieces differ in cost). Each worker reports
-its results as JSON lines on its own pipe; the parent compiles from the queue meanwhile, then
-compiles whatever a worker that died did not report. The child first resets what a fork leaves
-broken (``aotc._torch.forked``: OpenMP's thread team, Inductor's build pool) and always leaves
-with ``os._exit`` (the parent's cleanup is the parent's).
+With ``-j N``, N - 1 workers forked after the split (``aotc.compile.forked_workers``) take
+tasks from one queue beside this process, which then compiles whatever a worker that died did
+not report. Within a process, the C++ kernels of a few tasks in a row are built by one compiler
+run (``_HOLD``): a task is compiled up to its kernels, held, and finished (fast-path check,
+kernel files, result directory) once the batch is built.
 """
 
 from __future__ import annotations
@@ -24,21 +20,18 @@ import fcntl
 import json
 import os
 import shutil
-import signal
-import struct
-import sys
 import tempfile
 import threading
-import traceback
-import warnings
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-from aotc._torch import forked, inductor_compile
-from aotc.counters import COUNTERS
+from aotc._torch import inductor_compile, kernel_batch
 from aotc.errors import CompileError
+from aotc.compile.forked_workers import ForkedWorker, TaskQueue
 from aotc.manifest import Manifest
 from aotc.progress import Progress
 from aotc.compile.split import Piece
@@ -115,72 +108,65 @@ def discard(work: Path, tasks: list[Task]) -> None:
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _compile_into(work: Path, uid: str, piece: Piece, size: int | None,
-                  options: dict[str, Any]) -> inductor_compile.CompiledPiece:
-    """Compile one task into a private directory, then rename it into place (or take the result
-    a concurrent compile put there first)."""
-    out = _out_dir(work, uid, size)
-    with _task_lock(work, out):
-        found = _reuse(work, uid, size)
-        if found is not None:
-            return found
-        return _build(work, out, uid, piece, size, options)
+class _Claim:
+    """One task this process builds: its lock held (:func:`_task_lock`'s), a private
+    ``.partial`` dir to build in; :meth:`commit` renames the result into place."""
 
+    def __init__(self, work: Path, uid: str, size: int | None) -> None:
+        self.work, self.uid, self.size = work, uid, size
+        self.out = _out_dir(work, uid, size)
+        self.lock = os.open(work / f".{self.out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        self.partial: Path | None = None
 
-def _build(work: Path, out: Path, uid: str, piece: Piece, size: int | None,
-           options: dict[str, Any]) -> inductor_compile.CompiledPiece:
-    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=work))
-    try:
-        c = inductor_compile.compile_piece(piece.gm, list(piece.example_inputs), size, partial / "result",
-                                           options, tmp_root=partial, real_inputs=piece.real_inputs,
-                                           key=f"{uid}:{size or 'dynamic'}", pool=work / _POOL)
-        result = partial / "result"
+    def scratch(self) -> Path:
+        """The private dir the task is built in."""
+        self.partial = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial",
+                                             dir=self.work))
+        return self.partial
+
+    def commit(self, c: inductor_compile.CompiledPiece) -> inductor_compile.CompiledPiece:
+        """Make the compiled result in the scratch dir the task's finished result: on disk
+        (fsync) before the rename makes it visible (a concurrent compile that finished it first
+        wins: same key, same result)."""
+        assert self.partial is not None
+        result = self.partial / "result"
         files = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
         if c.wrapper is not None:
             files.append(c.wrapper)
         sizes = {}
-        for f in files:  # on disk before the rename makes them visible
+        for f in files:
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
             sizes[f.relative_to(result).as_posix()] = f.stat().st_size
-        done = {"uid": uid, "size": size, "artifact": c.artifact.name,
+        done = {"uid": self.uid, "size": self.size, "artifact": c.artifact.name,
                 "kernel_files": list(c.kernel_files), "key": c.key, "seconds": c.seconds,
                 "wrapper": None if c.wrapper is None else c.wrapper.name,
                 "wrapper_note": c.wrapper_note, "sizes": sizes, "phases": c.phases,
                 "kernels": c.kernels}
         (result / "done.json").write_text(json.dumps(done))
         try:
-            os.rename(result, out)
-        except OSError:  # a concurrent compile finished it first: same key, same result
+            os.rename(result, self.out)
+        except OSError:
             pass
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    found = _reuse(work, uid, size)
-    if found is None:
-        raise CompileError(f"compiled piece {uid} vanished from {work} (removed by gc?); compile again")
-    return replace(found, reused=False, seconds=c.seconds, phases=c.phases, kernels=c.kernels)
+        found = _reuse(self.work, self.uid, self.size)
+        if found is None:
+            raise CompileError(f"compiled piece {self.uid} vanished from {self.work} (removed by "
+                               "gc?); compile again")
+        return replace(found, reused=False, seconds=c.seconds, phases=c.phases, kernels=c.kernels)
+
+    def release(self) -> None:
+        """Drop the scratch dir and the lock (idempotent)."""
+        if self.partial is not None:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            self.partial = None
+        if self.lock >= 0:
+            os.close(self.lock)
+            self.lock = -1
 
 
 def _label(uid: str, size: int | None) -> str:
     return f"piece {uid[:8]} {'dynamic' if size is None else f'{size} tokens'}"
-
-
-def _to_json(uid: str, c: inductor_compile.CompiledPiece) -> str:
-    return json.dumps({"uid": uid, "size": c.size, "artifact": str(c.artifact),
-                       "kernel_root": str(c.kernel_root), "kernel_files": list(c.kernel_files),
-                       "key": c.key, "seconds": c.seconds,
-                       "wrapper": None if c.wrapper is None else str(c.wrapper),
-                       "wrapper_note": c.wrapper_note, "reused": c.reused, "phases": c.phases,
-                       "kernels": c.kernels})
-
-
-def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
-    d = json.loads(line)
-    return (d["uid"], d["size"]), inductor_compile.CompiledPiece(
-        Path(d["artifact"]), Path(d["kernel_root"]), tuple(d["kernel_files"]), d["size"], d["key"],
-        float(d["seconds"]), None if d.get("wrapper") is None else Path(d["wrapper"]),
-        str(d.get("wrapper_note", "")), bool(d.get("reused", False)), dict(d.get("phases") or {}),
-        dict(d.get("kernels") or {}))
 
 
 def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: list[Task], work: Path,
@@ -219,8 +205,10 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
     workers: list[ForkedWorker] = []
     try:
         if queue is not None:
-            workers = [ForkedWorker(first_of, queue, work, options, done, f"worker {i}")
-                   for i in range(1, jobs)]
+            def here(some: Iterable[Task], report: Any) -> None:
+                compile_here(first_of, some, work, options, report)
+
+            workers = [ForkedWorker(here, queue, done, f"worker {i}") for i in range(1, jobs)]
         compile_here(first_of, queue if queue is not None else todo, work, options, done)
         for w in workers:
             w.wait()
@@ -283,149 +271,54 @@ def merge_kernels(compiled: Any, root: Path) -> set[str]:
     return seen
 
 
-def compile_here(first_of: dict[str, Piece], tasks: Any, work: Path, options: dict[str, Any],
-                 done: Any) -> None:
-    """Compile ``tasks`` (a list, or a :class:`TaskQueue` to take them from) in this process,
-    one after another, each into ``work`` (or taken from a finished result there);
-    ``done(task, compiled)`` after each."""
-    for uid, size in tasks:
-        done((uid, size), _compile_into(work, uid, first_of[uid], size, options))
+_HOLD = 3  # tasks in a row whose kernels one compiler run builds (each run loads the ~150 MB
+           # precompiled header and links: ~0.55 s of fixed cost)
 
 
-class TaskQueue:
-    """The tasks of one compile, shared by its processes: their indices in a pipe, written whole
-    (and its write end closed) before any worker is forked. Iterating takes the next task no
-    process has taken yet; an empty pipe reads as the end."""
+def compile_here(first_of: dict[str, Piece], tasks: Iterable[Task], work: Path,
+                 options: dict[str, Any], done: Any, hold: int = _HOLD) -> None:
+    """Compile ``tasks`` (a list, or a :class:`~aotc.compile.forked_workers.TaskQueue` to take
+    them from) in this process, each into ``work`` or taken from a finished result there;
+    ``done(task, compiled)`` after each. The kernels of up to ``hold`` tasks in a row are built
+    by one compiler run (module doc)."""
+    batch = kernel_batch.KernelBatch()
+    held: list[tuple[Task, _Claim, inductor_compile.PendingPiece]] = []
 
-    _INDEX = struct.Struct("<I")
-    LIMIT = 4000  # indices that fit a pipe's buffer everywhere (16 KiB), so the write never blocks
-
-    def __init__(self, tasks: list[Task]) -> None:
-        if len(tasks) > self.LIMIT:
-            raise CompileError(f"{len(tasks)} tasks for one queue; at most {self.LIMIT}")
-        self.tasks = list(tasks)
-        self.read_fd, write_fd = os.pipe()
-        try:
-            os.write(write_fd, b"".join(self._INDEX.pack(i) for i in range(len(self.tasks))))
-        finally:
-            os.close(write_fd)
-
-    def __iter__(self) -> Iterator[Task]:
-        while True:
-            raw = os.read(self.read_fd, self._INDEX.size)  # one index, whole (pipe reads are)
-            if len(raw) < self._INDEX.size:
-                return
-            yield self.tasks[self._INDEX.unpack(raw)[0]]
-
-    def close(self) -> None:
-        """Release the pipe (idempotent)."""
-        if self.read_fd >= 0:
-            os.close(self.read_fd)
-            self.read_fd = -1
-
-
-class ForkedWorker:
-    """A child of this process, forked now, that compiles tasks from ``queue`` until it is empty
-    and reports each result to ``done`` (from a thread reading its pipe); see the module doc."""
-
-    def __init__(self, first_of: dict[str, Piece], queue: TaskQueue, work: Path,
-                 options: dict[str, Any], done: Any, name: str) -> None:
-        self.done, self.name = done, name
-        self.received = 0
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - the child's stdout and stderr
-        read_fd, write_fd = os.pipe()
-        parent = os.getpid()
-        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
-            stream.flush()
-        with warnings.catch_warnings():  # 3.12 warns of fork with threads: see aotc._torch.forked
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the child: never returns
-            os.close(read_fd)
-            _child_main(first_of, queue, work, options, write_fd, self.log.fileno(), parent)
-        os.close(write_fd)
-        self.pid = pid
-        self.status: int | None = None
-        self.results = os.fdopen(read_fd, "r")
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        for line in self.results:
-            if line.startswith("{"):
-                task, c = _from_json(line)
-                if not c.reused:
-                    COUNTERS.compiles += 1  # an Inductor compile ran, in the worker
-                self.received += 1
-                self.done(task, c, self.name)
-
-    def wait(self) -> None:
-        """Wait for the worker to finish the queue (a worker that failed leaves its unreported
-        tasks to the parent; its log is in :meth:`error`)."""
-        if self.status is None:
-            self.status = os.waitpid(self.pid, 0)[1]
-        self.thread.join()
-
-    def error(self) -> str:
-        """Why the worker failed: its exit and the last lines it wrote ("" when it exited
-        cleanly, or has not exited)."""
-        if self.status in (None, 0):
-            return ""
-        how = (f"killed by signal {os.WTERMSIG(self.status)}" if os.WIFSIGNALED(self.status)
-               else f"exit status {os.waitstatus_to_exitcode(self.status)}")
-        self.log.seek(0)
-        tail = " | ".join(self.log.read().strip().splitlines()[-3:])[-600:]
-        return how + (f": {tail}" if tail else "")
-
-    def kill(self) -> None:
-        """Stop the worker now (idempotent)."""
-        if self.status is None:
+    def finish_held() -> None:
+        t = time.perf_counter()
+        batch.build()
+        share = (time.perf_counter() - t) / max(len(held), 1)
+        while held:
+            task, claim, pending = held.pop(0)
             try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.status = os.waitpid(self.pid, 0)[1]
-        self.thread.join(timeout=5)
-        for f in (self.results, self.log):
-            try:
-                f.close()
-            except OSError:
-                pass
+                c = claim.commit(inductor_compile.finish_piece(pending, share))
+            finally:
+                pending.discard()
+                claim.release()
+            done(task, c)
 
-
-def _child_main(first_of: dict[str, Piece], queue: TaskQueue, work: Path, options: dict[str, Any],
-                out_fd: int, log_fd: int, parent: int) -> None:
-    """A forked worker's whole life: take tasks until the queue is empty, report each on
-    ``out_fd``, leave with ``os._exit`` (0 when every taken task was reported)."""
-    code = 1
     try:
-        os.dup2(log_fd, 1)  # the parent's stdout may be a --json answer
-        os.dup2(log_fd, 2)
-        _die_with_parent(parent)
-        forked.after_fork_in_child()
-        with os.fdopen(out_fd, "w") as out:
-            for uid, size in queue:
-                c = _compile_into(work, uid, first_of[uid], size, options)
-                out.write(_to_json(uid, c) + "\n")
-                out.flush()
-        code = 0
-    except BaseException:  # noqa: BLE001 - reported in the log; the parent compiles the rest
-        traceback.print_exc()
+        for uid, size in tasks:
+            claim = _Claim(work, uid, size)
+            try:
+                found = _reuse(work, uid, size)
+                if found is not None:
+                    claim.release()
+                    done((uid, size), found)
+                    continue
+                piece = first_of[uid]
+                scratch = claim.scratch()
+                pending = inductor_compile.start_piece(
+                    piece.gm, list(piece.example_inputs), size, scratch / "result", options,
+                    scratch, piece.real_inputs, f"{uid}:{size or 'dynamic'}", work / _POOL, batch)
+            except BaseException:
+                claim.release()
+                raise
+            held.append(((uid, size), claim, pending))
+            if len(held) >= hold:
+                finish_held()
+        finish_held()
     finally:
-        try:
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def _die_with_parent(parent: int) -> None:
-    """A worker must not outlive a killed compile (Linux: the kernel sends it SIGKILL)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: a killed parent's worker finishes its task, writes nothing visible
-    if os.getppid() != parent:  # the parent died before the call above (reparented)
-        os._exit(1)
+        for _, claim, pending in held:
+            pending.discard()
+            claim.release()
