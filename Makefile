@@ -30,7 +30,7 @@ demo: install
 	$(VENV)/bin/aotc --store $(DEMO_STORE) verify
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # <= 3 min: everything but the tests marked slow (no model compiles beyond one tiny piece)
 test-quick: install

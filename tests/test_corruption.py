@@ -61,9 +61,12 @@ def delete_wrapper_record(store: Store, key: str, program: Program) -> str:
 
 
 def replace_kernel_library(store: Store, key: str, program: Program) -> str:
-    """Another kernel library's bytes, validly compressed: loads fine, computes the wrong thing."""
-    first, second = _kernel_roles(program)[:2]
+    """Another kernel library's bytes, validly compressed: loads fine, computes the wrong thing.
+    (Kernels built by one compiler run share one library: the other is one of other bytes.)"""
     entry = store.get(key, record=False)
+    roles = _kernel_roles(program)
+    first = roles[0]
+    second = next(r for r in roles if entry.blobs[r].digest != entry.blobs[first].digest)
     other = store.read_blob(entry, second)
     _blob(store, key, first).write_bytes(zstandard.ZstdCompressor().compress(other))
     return first

@@ -221,6 +221,41 @@ def test_a_pieces_kernels_build_in_one_compiler_run(compiled, tmp_path, threads)
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_the_kernels_of_tasks_in_a_row_build_in_one_compiler_run(compiled, tmp_path):
+    """A worker loop holds the kernels of up to 3 tasks and builds them with one g++ run; a
+    kernel two of them hold (two ids of one piece, same size) is built once and linked; each
+    task still ships its own kernel files and a fast path that reproduces the piece."""
+    from torch._dynamo.utils import compilation_time_metrics
+    from torch._inductor import config
+
+    from aotc._torch import kernel_pool, wrapper
+    from aotc.compile import workers
+
+    piece, _arts = compiled
+    first_of = {"a": piece, "b": piece}
+    tasks = [("a", 4), ("b", 4), ("a", 6)]
+    got: dict = {}
+    runs = len(compilation_time_metrics.get("compile_file", []))
+    with config.patch({"compile_threads": 2}):
+        workers.compile_here(first_of, tasks, tmp_path, {}, lambda t, c, *_: got.update({t: c}))
+    assert len(compilation_time_metrics.get("compile_file", [])) - runs == 1
+    assert [got[t].kernels for t in tasks] == [{"built": 3, "pooled": 0}, {"built": 0, "pooled": 3},
+                                               {"built": 3, "pooled": 0}]
+    libs = {t: [got[t].kernel_root / r for r in got[t].kernel_files if kernel_pool.is_kernel(r)]
+            for t in tasks}
+    assert [p.name for p in libs[("a", 4)]] == [p.name for p in libs[("b", 4)]]
+    assert len({p.read_bytes() for ps in libs.values() for p in ps}) == 1  # one library, 6 names
+    for (uid, n) in tasks:
+        c = got[(uid, n)]
+        assert c.wrapper is not None, c.wrapper_note
+        fast = wrapper.load(wrapper.WrapperCode.from_json(c.wrapper.read_bytes()), c.kernel_root)
+        args = _real_args(piece, n)
+        with torch.no_grad():
+            for x, y in zip(fast(*args), piece.gm(*args)):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 def test_kernel_sources_not_shaped_for_one_unit_are_left_alone():
     from aotc._torch.kernel_batch import combine
 

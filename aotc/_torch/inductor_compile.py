@@ -265,7 +265,12 @@ def compile_piece(
     pending = start_piece(gm, example_inputs, size, out_dir, options, tmp_root, real_inputs, key,
                           pool, batch)
     try:
-        batch.build()
+        try:
+            batch.build()
+        except Exception as e:  # noqa: BLE001 - a kernel the C++ compiler refused
+            raise CompileError(f"the C++ compiler failed on a kernel of piece "
+                               f"({'dynamic' if size is None else f'size {size}'}) into {out_dir}: "
+                               f"{type(e).__name__}: {str(e)[-800:]}") from e
         return finish_piece(pending)
     finally:
         pending.discard()
