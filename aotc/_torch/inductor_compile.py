@@ -35,8 +35,8 @@ from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir
 from aotc._torch.isa_probes import isa_probe_files, seed_isa_probes
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
 
-__all__ = ["CompiledPiece", "PendingPiece", "compile_piece", "finish_piece", "piece_cache_key",
-           "start_piece", "static_example_inputs"]
+__all__ = ["CompiledPiece", "PendingPiece", "build_kernels", "compile_piece", "finish_piece",
+           "piece_cache_key", "start_piece", "static_example_inputs"]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
 @dataclasses.dataclass(frozen=True)
@@ -265,15 +265,20 @@ def compile_piece(
     pending = start_piece(gm, example_inputs, size, out_dir, options, tmp_root, real_inputs, key,
                           pool, batch)
     try:
-        try:
-            batch.build()
-        except Exception as e:  # noqa: BLE001 - a kernel the C++ compiler refused
-            raise CompileError(f"the C++ compiler failed on a kernel of piece "
-                               f"({'dynamic' if size is None else f'size {size}'}) into {out_dir}: "
-                               f"{type(e).__name__}: {str(e)[-800:]}") from e
+        build_kernels(batch, f"piece ({'dynamic' if size is None else f'size {size}'}) into {out_dir}")
         return finish_piece(pending)
     finally:
         pending.discard()
+
+
+def build_kernels(batch: kernel_batch.KernelBatch, what: str) -> None:
+    """Build the kernels held in ``batch``; a kernel the C++ compiler refuses is a
+    :class:`CompileError` naming ``what`` they belong to."""
+    try:
+        batch.build()
+    except Exception as e:  # noqa: BLE001 - Inductor's own error types
+        raise CompileError(f"the C++ compiler failed on a kernel of {what}: "
+                           f"{type(e).__name__}: {str(e)[-800:]}") from e
 
 
 def start_piece(

@@ -286,12 +286,7 @@ def compile_here(first_of: dict[str, Piece], tasks: Iterable[Task], work: Path,
 
     def finish_held() -> None:
         t = time.perf_counter()
-        try:
-            batch.build()
-        except Exception as e:  # noqa: BLE001 - a kernel the C++ compiler refused
-            raise CompileError(f"the C++ compiler failed on the kernels of "
-                               f"{', '.join(_label(*task) for task, *_ in held)}: "
-                               f"{type(e).__name__}: {str(e)[-800:]}") from e
+        inductor_compile.build_kernels(batch, ", ".join(_label(*task) for task, *_ in held))
         share = (time.perf_counter() - t) / max(len(held), 1)
         while held:
             task, claim, pending = held.pop(0)
