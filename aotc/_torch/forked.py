@@ -14,6 +14,9 @@ has the traced pieces in memory. Two things a fork leaves broken in the child:
 * **Inductor's kernel-build thread pool** (``AsyncCompile.pool``, cached once per process): the
   child's copy counts the parent's idle threads, so work given to it never starts. Inductor
   resets its process pool at a fork itself; the thread pool is cleared here.
+
+A CUDA context does not survive a fork at all: once CUDA is initialized, :func:`fork_is_safe`
+says no and the compile runs in one process.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-__all__ = ["after_fork_in_child", "openmp_runtimes"]
+__all__ = ["after_fork_in_child", "fork_is_safe", "openmp_runtimes"]
 
 # the OpenMP runtimes torch builds link against, by the name a loaded one answers to
 _OPENMP_NAMES = ("libgomp.so.1", "libomp.so", "libomp.so.5", "libiomp5.so", "libomp.dylib",
@@ -38,6 +41,14 @@ def openmp_runtimes() -> list[ctypes.CDLL]:
         except OSError:
             continue
     return found
+
+
+def fork_is_safe() -> bool:
+    """Whether this process may fork compile workers: not once CUDA is initialized here (a
+    CUDA context does not survive a fork; a CUDA compile runs in one process)."""
+    import torch
+
+    return hasattr(os, "fork") and not torch.cuda.is_initialized()
 
 
 def after_fork_in_child() -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from aotc._torch import inductor_compile, kernel_batch
+from aotc._torch import forked, inductor_compile, kernel_batch
 from aotc.errors import CompileError
 from aotc.compile.forked_workers import ForkedWorker, TaskQueue
 from aotc.manifest import Manifest
@@ -174,11 +174,11 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
                   shared: dict[Task, str] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
     """Compile every task; with ``jobs`` > 1, in that many processes (``jobs - 1`` forked
     workers, see the module doc; only with a manifest — a graph the backend was handed compiles
-    inside a server's process, which is not forked). ``options``: Inductor patches (default:
+    inside a server's process, which is not forked — and not once CUDA is initialized). ``options``: Inductor patches (default:
     the manifest's). ``shared``: the tasks seeded from other stored entries
     (``aotc.compile.reuse``), for the progress line."""
     options = dict(manifest.inductor) if manifest is not None else dict(options or {})
-    if manifest is None or not hasattr(os, "fork") or len(tasks) > TaskQueue.LIMIT:
+    if manifest is None or len(tasks) > TaskQueue.LIMIT or not forked.fork_is_safe():
         jobs = 1
     results: dict[Task, inductor_compile.CompiledPiece] = {}
     lock = threading.Lock()
