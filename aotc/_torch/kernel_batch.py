@@ -108,9 +108,6 @@ class KernelBatch:
         # library paths that got a library built for another compile of the same kernel
         self.linked: set[Path] = set()
 
-    def __len__(self) -> int:
-        return len(self.pending)
-
     def defer(self, worker_fn: Any) -> Any:
         """``submit_fn`` for ``load_async``: hold the build; the returned future builds it."""
         held = _Held(self)
@@ -191,32 +188,31 @@ def _build_together(worker_fns: list[Any], linked: set[Path]) -> None:
 
 def _link_copies(built: tuple[Any, str, Path, Path], members: list[tuple[Any, str, Path, Path]]) -> bool:
     """Build one kernel as Inductor would, then link its library at the other members' paths."""
-    from torch.utils._filelock import FileLock
-
     built[0]()
     lib = built[3]
     if not lib.is_file():
         return False
-    for _, lock, _, out in members:
-        if out != lib:
-            with FileLock(lock, timeout=600):
-                _link_into_place(lib, out)
+    _link_at_every_path(lib, [m for m in members if m[3] != lib])
     return True
 
 
-def _link_into_place(lib: Path, out: Path) -> None:
-    if not out.exists():
-        partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
-        os.link(lib, partial)
-        os.replace(partial, out)
+def _link_at_every_path(lib: Path, every: list[tuple[Any, str, Path, Path]]) -> None:
+    """Hard-link ``lib`` at each member's library path (under its kernel's lock), unless one is
+    there already."""
+    from torch.utils._filelock import FileLock
+
+    for _, lock, _, out in every:
+        with FileLock(lock, timeout=600):
+            if not out.exists():
+                partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+                os.link(lib, partial)
+                os.replace(partial, out)
 
 
 def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: Any,
                every: list[tuple[Any, str, Path, Path]]) -> bool:
     """Build ``members`` (distinct kernels) as one library, linked at the path of each of
     ``every`` (the members and their copies in other cache dirs); False if it did not build."""
-    from torch.utils._filelock import FileLock
-
     first_out = members[0][3]
     text = combine([(out.name, src.read_text(encoding="utf-8")) for _, _, src, out in members])
     if text is None:
@@ -232,9 +228,7 @@ def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: An
             run(command.replace("\0SRC\0", str(src)).replace("\0OUT\0", str(lib)), cwd=str(build_dir))
         except Exception:  # noqa: BLE001 - built one by one instead (a kernel's own error shows there)
             return False
-        for _, lock, _, out in every:
-            with FileLock(lock, timeout=600):
-                _link_into_place(lib, out)
+        _link_at_every_path(lib, every)
         return True
     finally:
         for p in (src, lib):

@@ -23,10 +23,9 @@ import shutil
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from aotc._torch import forked, inductor_compile, kernel_batch
@@ -88,29 +87,20 @@ def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> induc
         return None
 
 
-@contextmanager
-def _task_lock(work: Path, out: Path) -> Iterator[None]:
-    """Hold the exclusive lock of one task's result directory ``out`` (the kernel drops it if
-    the holder dies): a concurrent compile of the same key waits for the task, then reuses it."""
-    lock = os.open(work / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(lock)
-
-
 def discard(work: Path, tasks: list[Task]) -> None:
     """Remove the finished results of ``tasks`` (after they failed a check: never reuse them)."""
     for uid, size in tasks:
-        out = _out_dir(work, uid, size)
-        with _task_lock(work, out):
-            shutil.rmtree(out, ignore_errors=True)
+        claim = _Claim(work, uid, size)
+        try:
+            shutil.rmtree(claim.out, ignore_errors=True)
+        finally:
+            claim.release()
 
 
 class _Claim:
-    """One task this process builds: its lock held (:func:`_task_lock`'s), a private
-    ``.partial`` dir to build in; :meth:`commit` renames the result into place."""
+    """One task this process holds: the exclusive lock of its result directory (the kernel drops
+    it if the holder dies: a concurrent compile of the same key waits for the task, then reuses
+    it), a private ``.partial`` dir to build in; :meth:`commit` renames the result into place."""
 
     def __init__(self, work: Path, uid: str, size: int | None) -> None:
         self.work, self.uid, self.size = work, uid, size
@@ -174,9 +164,9 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
                   shared: dict[Task, str] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
     """Compile every task; with ``jobs`` > 1, in that many processes (``jobs - 1`` forked
     workers, see the module doc; only with a manifest — a graph the backend was handed compiles
-    inside a server's process, which is not forked — and not once CUDA is initialized). ``options``: Inductor patches (default:
-    the manifest's). ``shared``: the tasks seeded from other stored entries
-    (``aotc.compile.reuse``), for the progress line."""
+    inside a server's process, which is not forked — and not once CUDA is initialized).
+    ``options``: Inductor patches (default: the manifest's). ``shared``: the tasks seeded from
+    other stored entries (``aotc.compile.reuse``), for the progress line."""
     options = dict(manifest.inductor) if manifest is not None else dict(options or {})
     if manifest is None or len(tasks) > TaskQueue.LIMIT or not forked.fork_is_safe():
         jobs = 1
