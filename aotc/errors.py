@@ -72,8 +72,9 @@ class InputError(AotcError):
     exit_code = 2
 
 
-class RunError(AotcError):
-    """A compiled piece failed while running (a kernel's own check); names the piece and size."""
+class RunError(AotcError, RuntimeError):
+    """A compiled piece failed while running (a kernel's own check); names the piece and size.
+    A ``RuntimeError`` too, as the same failure is under ``torch.compile(backend="inductor")``."""
 
 
 class BackendError(AotcError):

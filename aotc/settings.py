@@ -14,6 +14,7 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_SPLITTING_OPS`` | ``splitting_ops`` | the ``torch.compile`` backend's splitting ops (comma separated; default: vLLM's attention ops, aten SDPA, ``aotc::attention``) |
 | ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
+| ``AOTC_FALLBACK`` | ``fallback`` | what a graph the backend cannot serve (unkeyable, a failed compile or numeric check, a damaged entry) falls back to: ``inductor`` (default), ``eager``, or ``error`` to raise (CI, tests) |
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ __all__ = ["ENV", "Settings", "current", "is_remote_url"]
 ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
        "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS",
        "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES",
-       "report": "AOTC_REPORT"}
+       "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -50,6 +51,7 @@ class Settings:
     splitting_ops: str | None = None  # as written; parsed by aotc.backend.config
     compile_sizes: str | None = None
     report: str | None = None
+    fallback: str | None = None  # as written; checked by aotc.backend.config.fallback_policy
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -65,7 +67,7 @@ class Settings:
             progress=(text["progress"] or "0").lower() not in ("0", "", "false", "no"),
             cache_home=Path(xdg).expanduser() if xdg else None,
             splitting_ops=text["splitting_ops"], compile_sizes=text["compile_sizes"],
-            report=text["report"],
+            report=text["report"], fallback=text["fallback"],
         )
 
     @property

@@ -173,9 +173,10 @@ def test_a_bad_vllm_manifest_names_the_field(tmp_path: Path) -> None:
     assert "vllm.max_model_len: must be a positive integer" in res.stderr
 
 
-def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path) -> None:
+def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, capfd) -> None:
     """An entry compiled here would be unsigned, so the policy would refuse it after minutes of
-    compiling: the backend says so at once, compiling nothing."""
+    compiling: the backend says so at once, compiling nothing of its own — raising under
+    ``fallback="error"``, else Inductor serves the graph with one warning line naming why."""
     import aotc
     from aotc.counters import COUNTERS
     from aotc.errors import TrustError
@@ -183,11 +184,20 @@ def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path) ->
 
     public = generate_key(tmp_path / "signer")
     fn = torch.compile(lambda x: torch.relu(x) * 2,
-                       backend=aotc.backend(store=str(tmp_path / "store"), trust=[public]))
+                       backend=aotc.backend(store=str(tmp_path / "store"), trust=[public],
+                                            fallback="error"))
     before = COUNTERS.compiles
     with pytest.raises(Exception) as e:
         fn(torch.ones(3))
     assert isinstance(e.value.__cause__ or e.value, TrustError) or "trust policy" in str(e.value)
+    assert COUNTERS.compiles == before
+    torch._dynamo.reset()
+    capfd.readouterr()
+    served = torch.compile(lambda x: torch.relu(x) * 3,
+                           backend=aotc.backend(store=str(tmp_path / "store"), trust=[public]))
+    assert torch.equal(served(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 6.0]))
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("aotc:")]
+    assert len(lines) == 1 and "TrustError" in lines[0] and "inductor runs it instead" in lines[0]
     assert COUNTERS.compiles == before
 
 

@@ -160,7 +160,7 @@ def test_aotc_variables_are_read_only_in_settings() -> None:
 
     assert set(ENV.values()) == {"AOTC_STORE", "AOTC_REMOTE", "AOTC_S3_ENDPOINT",
                                  "AOTC_TRUST_KEYS", "AOTC_LOADER", "AOTC_PROGRESS",
-                                 "AOTC_SPLITTING_OPS", "AOTC_COMPILE_SIZES", "AOTC_REPORT"}
+                                 "AOTC_SPLITTING_OPS", "AOTC_COMPILE_SIZES", "AOTC_REPORT", "AOTC_FALLBACK"}
 
 
 @pytest.mark.slow

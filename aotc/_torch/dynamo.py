@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["dynamo_error", "mark", "outside_trace", "serializable_callable_base", "supports_shape_id",
+__all__ = ["dynamo_error", "is_restart", "mark", "outside_trace", "serializable_callable_base", "supports_shape_id",
            "symbol_key", "symbol_range", "symint_hint",
            "trace_fullgraph", "traced_code"]
 
@@ -29,6 +29,16 @@ def _dynamo() -> Any:
 def dynamo_error() -> type[BaseException]:
     """Dynamo's own exception base (graph breaks, unsupported ops): ``except dynamo_error()``."""
     return _dynamo().exc.TorchDynamoException  # type: ignore[no-any-return]
+
+
+def is_restart(e: BaseException) -> bool:
+    """Whether ``e`` is Dynamo's ``RestartAnalysis`` (its signal to trace again, raised through a
+    backend): never caught, never a fallback."""
+    try:
+        from torch._dynamo.exc import RestartAnalysis
+    except ImportError:
+        return False
+    return isinstance(e, RestartAnalysis)
 
 
 def supports_shape_id() -> bool:

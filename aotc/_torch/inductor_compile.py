@@ -28,7 +28,8 @@ import torch.fx
 
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
-from aotc._torch import kernel_batch, kernel_pool, wrapper
+from aotc._torch import kernel_batch, kernel_checks, kernel_pool, wrapper
+from aotc._torch.dynamo import is_restart
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
                                        kernel_files as _kernel_files)
@@ -192,15 +193,6 @@ def _timed_metrics() -> dict[str, float]:
     return {k: float(sum(m.get(k, ()))) for k in _METRICS}
 
 
-def _is_restart(e: BaseException) -> bool:
-    """Whether ``e`` is Dynamo's ``RestartAnalysis`` (e.g. ``TensorifyScalarRestartAnalysis``)."""
-    try:
-        from torch._dynamo.exc import RestartAnalysis
-    except ImportError:
-        return False
-    return isinstance(e, RestartAnalysis)
-
-
 def _options_digest(options: dict[str, Any]) -> str:
     blob = json.dumps(options, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -321,14 +313,14 @@ def start_piece(
             with inductor_cache_dir(str(tmp)), torch.no_grad(), _config_patch(options), \
                     in_process_isa_probes():
                 t = time.perf_counter()
-                with kernel_batch.batched_builds(batch):
+                with kernel_batch.batched_builds(batch), kernel_checks.guarded_kernel_sources():
                     art = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes=mode)
                 phases["inductor"] = time.perf_counter() - t
                 t = time.perf_counter()
                 art.save(path=str(artifact), format="binary")
                 phases["save"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001 - Inductor raises many kinds
-            if _is_restart(e):  # Dynamo's own signal to re-trace (a float it made dynamic must be
+            if is_restart(e):  # Dynamo's own signal to re-trace (a float it made dynamic must be
                 raise           # specialized): raised through a backend, Dynamo traces again
             what = "dynamic" if dynamic else f"size {size}"
             raise CompileError(f"Inductor failed to compile piece ({what}) into {out_dir}: "

@@ -218,3 +218,39 @@ def reset_counters() -> None:
 
     counters.clear()
     _ours.reset()
+
+
+def mode_options(mode: str) -> dict[str, Any] | None:
+    """The Inductor config patches ``torch.compile(mode=mode)`` stands for
+    (``torch._inductor.list_mode_options``), or None when torch knows no such mode."""
+    from torch._inductor import list_mode_options
+
+    try:
+        return dict(list_mode_options(mode))
+    except (KeyError, RuntimeError, ValueError):
+        return None
+
+
+def compile_modes() -> list[str]:
+    """The ``mode=`` values ``torch.compile`` accepts (``default`` included)."""
+    from torch._inductor import list_mode_options
+
+    return sorted({"default", *list_mode_options()})
+
+
+def is_inductor_option(name: str) -> bool:
+    """Whether ``name`` (``"cpp.dynamic_threads"``) is one of Inductor's config settings."""
+    from torch._inductor import config
+
+    return _known(config, name)
+
+
+def inductor_compile(gm: Any, example_inputs: Any, patches: dict[str, Any]) -> Any:
+    """Inductor's own ``torch.compile`` backend on a graph Dynamo handed aotc (the fallback for
+    a graph aotc cannot serve), with ``patches`` applied around it."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    known = {k: v for k, v in patches.items() if _known(config, k)}
+    with config.patch(known):
+        return compile_fx(gm, example_inputs)

@@ -18,6 +18,7 @@ import torch
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import LoadError
 from aotc._torch.inductor_facts import _config_patch
+from aotc._torch.kernel_checks import guarded_kernel_sources
 from aotc._torch.scoped_env import scoped_env
 
 __all__ = ["in_process_isa_probes", "inductor_cache_dir", "kernel_files", "load_piece", "load_pieces"]
@@ -148,7 +149,7 @@ def load_pieces(
     # the fixed config trusts the CPU flags instead of Inductor re-probing each ISA by compiling
     # and dlopen-ing a test library in a child Python (10 subprocesses, ~2 s here).
     with inductor_cache_dir(kernel_root), _config_patch(dict(options or {})), \
-            in_process_isa_probes(), _no_header_builds():
+            in_process_isa_probes(), _no_header_builds(), guarded_kernel_sources():
         for artifact_file in map(Path, artifact_files):
             if not artifact_file.is_file():
                 raise LoadError(f"{artifact_file}: compiled artifact missing")

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from aotc._torch.kernel_checks import guard_checks
 from aotc._torch.scoped_env import scoped_env
 
 WRAPPER_FORMAT = 1
@@ -182,7 +183,8 @@ def extract(cache_dir: Path, kernel_files: Sequence[str]) -> WrapperCode:
     texts = {rel: p.read_text(encoding="utf-8", errors="replace") for rel, p in cpp.items() if p.is_file()}
     kernels: dict[str, str] = {}
     for argtypes, src in calls:
-        matches = [rel for rel, text in texts.items() if src in text and "PyInit_kernel" in text]
+        built = guard_checks(src)  # the source the library was built from (kernel_checks)
+        matches = [rel for rel, text in texts.items() if built in text and "PyInit_kernel" in text]
         if len(matches) != 1:
             raise Unsupported(f"{len(matches)} kernel libraries match one kernel's source")
         kernels[_kernel_digest(argtypes, src)] = matches[0]
@@ -305,6 +307,30 @@ def _clone(values: Sequence[Any]) -> list[Any]:
     return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
 
 
+def check_values(inputs: Sequence[Any]) -> list[Any]:
+    """Fresh copies of a piece's inputs for a check run: floating tensors random (seeded), every
+    other tensor copied as it is. Never the caller's own tensors: a piece may write its inputs in
+    place (a static KV cache's write position, ``cumulative_length.add_(1)``), and a check that
+    ran on the real ones would move a live model's state forward (transformers' ``generate()``
+    then wrote past its cache and a kernel's bounds check aborted the process)."""
+    gen = torch.Generator().manual_seed(0)
+    out: list[Any] = []
+    for v in inputs:
+        if not isinstance(v, torch.Tensor):
+            out.append(v)
+            continue
+        fresh = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        if v.dtype.is_floating_point:
+            fresh.copy_(torch.randn(v.shape, generator=gen).to(v.dtype))
+        else:
+            try:
+                fresh.copy_(v)
+            except RuntimeError:  # strides that overlap (an expanded view): a dense copy
+                fresh = v.clone()
+        out.append(fresh)
+    return out
+
+
 def record_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any], cache_dir: Path,
                      kernel_files: Sequence[str], out_file: Path,
                      undefined: frozenset[int] = frozenset()) -> str:
@@ -319,10 +345,7 @@ def record_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any], cache_
     try:
         code = extract(cache_dir, kernel_files)
         fast = load(code, cache_dir)
-        gen = torch.Generator().manual_seed(0)
-        values = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).copy_(
-                      torch.randn(v.shape, generator=gen).to(v.dtype))  # never into a real weight
-                  if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v for v in inputs]
+        values = check_values(inputs)
         mine, theirs = _clone(values), values  # one copy: the values are fresh for this check
         with torch.no_grad():
             want = artifact(*theirs)

@@ -61,11 +61,49 @@ class AotcBackend:
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.last: dict[str, Any] = {}  # what the last call did (key, hit, seconds): for tests and logs
+        self._key = ""  # the key of the graph in hand (named by a fallback's warning)
 
     def __repr__(self) -> str:
         return f"aotc.backend(store={self.config.store!r}, remote={self.config.remote!r})"
 
     def __call__(self, gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        """Serve one graph Dynamo hands over (module doc). ``kwargs``: what ``torch.compile``
+        passes (``mode=``, ``options=``). A graph aotc cannot serve falls back (``fallback``,
+        ``AOTC_FALLBACK``: Inductor by default) with one warning line; a bad argument raises."""
+        from aotc.backend.config import call_config
+        from aotc.settings import current
+
+        cfg = call_config(self.config, kwargs)
+        settings = current()
+        policy = cfg.fallback_for(settings)
+        self._key = ""
+        try:
+            return self._serve(gm, example_inputs, cfg, settings)
+        except Exception as e:  # noqa: BLE001 - the safety net: any failure serving this graph
+            from aotc._torch.dynamo import is_restart
+
+            if policy == "error" or is_restart(e):
+                raise
+            return self._fall_back(gm, example_inputs, cfg, settings, policy, e)
+
+    def _fall_back(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
+                   settings: Any, policy: str, error: BaseException) -> Any:
+        """Serve the graph without aotc: Inductor's own compile, or the graph as it is (eager)."""
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:400]
+        graph = f"graph {self._key[:16]}…" if self._key else "a graph"
+        print(f"aotc: warning: {graph} is not served by aotc ({reason}); {policy} runs it instead "
+              "(AOTC_FALLBACK=inductor|eager|error)", file=sys.stderr, flush=True)
+        self.last = {"key": self._key, "hit": False, "fallback": policy, "reason": reason}
+        if settings.report:
+            self._report(settings, self.last)
+        if policy == "eager":
+            return gm.forward
+        from aotc._torch.inductor_facts import inductor_compile
+
+        return inductor_compile(gm, example_inputs, dict(cfg.inductor))
+
+    def _serve(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
+               settings: Any) -> Any:
         from aotc._torch import dynamo
         from aotc.backend.compiled import AotcCompiled, load_graph_program
         from aotc.cache import CacheMiss, StoreReadOnlyError
@@ -73,12 +111,9 @@ class AotcBackend:
         from aotc.fleet.trust import trust_policy
         from aotc.lookup.stores import open_store, split_store
         from aotc.progress import Progress
-        from aotc.settings import current
 
         import torch
 
-        cfg = self.config
-        settings = current()
         t0 = time.perf_counter()
         trusted = trust_policy(cfg.trust, settings)
         local, remote = split_store(cfg.store, cfg.remote, settings)
@@ -86,7 +121,11 @@ class AotcBackend:
         if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs):
             warnings.warn("aotc compiles for inference: the compiled model runs under no_grad and "
                           "its outputs carry no autograd graph", stacklevel=2)
+        if cfg.graphs and _on_cuda(example_inputs):
+            print("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not captured "
+                  "for torch.compile graphs yet; this graph runs without them", file=sys.stderr)
         key, factors = backend_key(gm, example_inputs, cfg, store)
+        self._key = key
         hit = store.has(key)
         if hit or remote is not None:
             try:
@@ -131,20 +170,27 @@ class AotcBackend:
                               "numerics": meta["numerics"]})
         return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
 
-
     def _done(self, settings: Any, what: dict[str, Any]) -> None:
         """Remember, tell (one line on stderr) and report (``AOTC_REPORT``) what a call did."""
-        import json
-        import os
-
         self.last = what
         how = ("pulled from the remote" if what["pulled"] else "loaded from the store") if what["hit"] \
             else f"compiled {what['compiles']} pieces, checked, stored"
         print(f"aotc: graph {what['key'][:16]}… {'hit' if what['hit'] else 'miss'}: {how} in "
               f"{what['seconds']:.2f}s ({what['store']})", file=sys.stderr, flush=True)
         if settings.report:
-            with open(settings.report, "a") as f:  # one short line per write: atomic append
-                f.write(json.dumps({**what, "pid": os.getpid()}, sort_keys=True) + "\n")
+            self._report(settings, what)
+
+    @staticmethod
+    def _report(settings: Any, what: dict[str, Any]) -> None:
+        import json
+        import os
+
+        with open(settings.report, "a") as f:  # one short line per write: atomic append
+            f.write(json.dumps({**what, "pid": os.getpid()}, sort_keys=True) + "\n")
+
+
+def _on_cuda(example_inputs: Sequence[Any]) -> bool:
+    return any(getattr(getattr(x, "device", None), "type", None) == "cuda" for x in example_inputs)
 
 
 def _float_dtype(example_inputs: Sequence[Any]) -> Any:
@@ -171,16 +217,19 @@ def _push(store: Any, remote: Any, key: str) -> bool:
 def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
             splitting_ops: Iterable[str] | str | None = None,
             compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
-            inductor: dict[str, Any] | None = None, name: str | None = None) -> AotcBackend:
+            inductor: dict[str, Any] | None = None, name: str | None = None,
+            mode: str | None = None, fallback: str | None = None) -> AotcBackend:
     """A configured ``torch.compile`` backend. ``store``: a directory or ``s3://`` URL (default
     ``AOTC_STORE``); ``remote``: pull-through and push target (default ``AOTC_REMOTE``);
     ``trust``: public keys an entry must be signed by (besides ``AOTC_TRUST_KEYS``);
     ``splitting_ops`` (default ``AOTC_SPLITTING_OPS``, else vLLM's attention ops, aten SDPA and
     ``aotc::attention``); ``compile_sizes``: static artifacts besides the dynamic one (default
     ``AOTC_COMPILE_SIZES``, else none); ``tolerance`` of the numeric check (default by dtype);
-    ``inductor``: config patches; ``name``: the store entry's name."""
+    ``inductor``: config patches; ``name``: the store entry's name; ``mode``: a ``torch.compile``
+    mode (:func:`aotc.backend.config.mode_patches`); ``fallback``: ``inductor``, ``eager`` or
+    ``error`` for a graph aotc cannot serve (default ``AOTC_FALLBACK``, else ``inductor``)."""
     return AotcBackend(BackendConfig.make(store, remote, trust, splitting_ops, compile_sizes,
-                                          tolerance, inductor, name))
+                                          tolerance, inductor, name, mode, fallback))
 
 
 _DEFAULT: AotcBackend | None = None
@@ -188,22 +237,12 @@ _DEFAULT: AotcBackend | None = None
 
 def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """The ``"aotc"`` backend torch's registry finds through the entry point: every setting from
-    the environment. ``options={...}`` given to ``torch.compile`` are ``aotc.backend`` arguments."""
+    the environment. ``torch.compile``'s ``mode=`` and ``options=`` (``aotc.backend`` arguments
+    or Inductor config names) are applied per call (:func:`aotc.backend.config.call_config`)."""
     global _DEFAULT
-    options = dict(kwargs.get("options") or {})
-    if options:
-        from aotc.errors import BackendError
-
-        try:
-            configured = backend(**options)
-        except TypeError as e:
-            raise BackendError(f"torch.compile(backend='aotc', options=…): {e}; the options are "
-                               "aotc.backend's arguments (store, remote, trust, splitting_ops, "
-                               "compile_sizes, tolerance, inductor, name)") from e
-        return configured(gm, example_inputs)
     if _DEFAULT is None:
         _DEFAULT = AotcBackend(BackendConfig())
-    return _DEFAULT(gm, example_inputs)
+    return _DEFAULT(gm, example_inputs, **kwargs)
 
 
 class _CallablePackage(types.ModuleType):

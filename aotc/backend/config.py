@@ -11,7 +11,8 @@ from typing import Any, Iterable
 from aotc.errors import BackendError
 from aotc.settings import Settings
 
-__all__ = ["DEFAULT_INDUCTOR", "DEFAULT_SPLITTING_OPS", "BackendConfig"]
+__all__ = ["DEFAULT_INDUCTOR", "DEFAULT_SPLITTING_OPS", "FALLBACKS", "BackendConfig", "fallback_policy",
+           "mode_patches"]
 
 # vLLM 0.32's graph calls both of its ops per layer (KV cache write, then attention into an
 # output buffer); older vLLM calls unified_attention; plain models reach SDPA; aotc's toy models
@@ -55,6 +56,35 @@ def _ops(value: Any, where: str) -> tuple[str, ...]:
     return ops
 
 
+FALLBACKS = ("inductor", "eager", "error")
+
+
+def fallback_policy(value: str | None, where: str = "AOTC_FALLBACK") -> str:
+    """What a graph the backend cannot serve falls back to: ``inductor`` (default), ``eager`` or
+    ``error`` (raise: for CI and tests)."""
+    policy = (value or "inductor").strip().lower()
+    if policy not in FALLBACKS:
+        raise BackendError(f"{where}={value!r}: expected one of {', '.join(FALLBACKS)}")
+    return policy
+
+
+def mode_patches(mode: str | None, where: str = "torch.compile(mode=…)") -> tuple[dict[str, Any], bool]:
+    """``(Inductor patches, CUDA graphs wanted)`` of a ``torch.compile`` mode: ``default`` and
+    ``lite`` as Inductor has them, ``max-autotune*`` Inductor's autotuning patches (in the key);
+    ``reduce-overhead`` (and ``max-autotune``) ask for CUDA graphs, which aotc does its own way
+    — piecewise, around the attention pieces — and never through Inductor."""
+    from aotc._torch.inductor_facts import compile_modes, mode_options
+
+    if mode is None:
+        return {}, False
+    patches = mode_options(str(mode))
+    if patches is None:
+        raise BackendError(f"{where}: unknown mode {mode!r}; torch.compile's modes are "
+                           f"{', '.join(compile_modes())}")
+    graphs = bool(patches.pop("triton.cudagraphs", False))
+    return patches, graphs
+
+
 @dataclass(frozen=True)
 class BackendConfig:
     """One backend's settings; ``None`` fields take the settings' values at call time."""
@@ -69,12 +99,16 @@ class BackendConfig:
     tolerance_set: bool = False
     inductor: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_INDUCTOR))
     name: str = "torch.compile"
+    mode: str | None = None
+    graphs: bool = False  # CUDA graphs asked for (mode="reduce-overhead"/"max-autotune")
+    fallback: str | None = None  # None: AOTC_FALLBACK, else "inductor"
 
     @classmethod
     def make(cls, store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
              splitting_ops: Iterable[str] | str | None = None,
              compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
-             inductor: dict[str, Any] | None = None, name: str | None = None) -> BackendConfig:
+             inductor: dict[str, Any] | None = None, name: str | None = None,
+             mode: str | None = None, fallback: str | None = None) -> BackendConfig:
         """Validate ``aotc.backend(...)``'s arguments (a bad one is a ``BackendError`` naming it).
         ``tolerance``: a float (atol = rtol), ``(atol, rtol)`` or ``{"atol": …, "rtol": …}``;
         default by dtype (float32 1e-4, float16 1e-2, bfloat16 3e-2)."""
@@ -96,12 +130,19 @@ class BackendConfig:
             raise BackendError(f"aotc.backend(inductor=…) must be a dict of Inductor config "
                                f"patches, got {type(inductor).__name__}")
         trust = (trust,) if isinstance(trust, str) else tuple(trust)
+        patches, graphs = mode_patches(mode, "aotc.backend(mode=…)")
+        if fallback is not None:
+            fallback = fallback_policy(fallback, "aotc.backend(fallback=…)")
         return cls(store=store, remote=remote, trust=trust,
                    splitting_ops=None if splitting_ops is None else _ops(splitting_ops, "aotc.backend(splitting_ops=…)"),
                    compile_sizes=None if compile_sizes is None else _sizes(compile_sizes, "aotc.backend(compile_sizes=…)"),
                    atol=atol, rtol=rtol, tolerance_set=tolerance is not None,
-                   inductor=dict(DEFAULT_INDUCTOR if inductor is None else inductor),
-                   name=name or "torch.compile")
+                   inductor={**patches, **(DEFAULT_INDUCTOR if inductor is None else inductor)},
+                   name=name or "torch.compile", mode=mode, graphs=graphs, fallback=fallback)
+
+    def fallback_for(self, settings: Settings) -> str:
+        """The fallback policy: given, else ``AOTC_FALLBACK``, else ``inductor``."""
+        return self.fallback or fallback_policy(settings.fallback)
 
     def ops(self, settings: Settings) -> tuple[str, ...]:
         """The splitting ops: given, else ``AOTC_SPLITTING_OPS``, else the defaults."""
@@ -125,3 +166,44 @@ class BackendConfig:
 
         default = {torch.float16: 1e-2, torch.bfloat16: 3e-2}.get(dtype, 1e-4)
         return default, default
+
+
+ARGUMENTS = ("store", "remote", "trust", "splitting_ops", "compile_sizes", "tolerance", "inductor",
+             "name", "mode", "fallback")
+
+
+def call_config(base: BackendConfig, kwargs: dict[str, Any]) -> BackendConfig:
+    """``base`` with what ``torch.compile`` passed the backend: ``mode=`` and ``options=`` (keys
+    that are ``aotc.backend`` arguments, ``triton.cudagraphs``, or Inductor config names, which
+    become Inductor patches). Anything else is a one-line ``BackendError`` naming it."""
+    from dataclasses import replace
+
+    from aotc._torch.inductor_facts import is_inductor_option
+
+    extra = sorted(set(kwargs) - {"mode", "options"})
+    if extra:
+        raise BackendError(f"the aotc backend got {extra[0]}=…; torch.compile passes only mode= "
+                           "and options=")
+    mode, options = kwargs.get("mode"), kwargs.get("options")
+    if mode is None and not options:
+        return base
+    if options is not None and not isinstance(options, dict):
+        raise BackendError(f"torch.compile(backend='aotc', options=…) must be a dict, got "
+                           f"{type(options).__name__}")
+    rest = dict(options or {})
+    ours = {k: rest.pop(k) for k in list(rest) if k in ARGUMENTS}
+    cuda_graphs = rest.pop("triton.cudagraphs", None)
+    unknown = sorted(k for k in rest if not (isinstance(k, str) and is_inductor_option(k)))
+    if unknown:
+        raise BackendError(f"torch.compile(backend='aotc', options=…): unknown option "
+                           f"{unknown[0]!r}; the options are aotc.backend's arguments "
+                           f"({', '.join(ARGUMENTS)}) or Inductor config names")
+    given = {"store": base.store, "remote": base.remote, "trust": base.trust,
+             "splitting_ops": base.splitting_ops, "compile_sizes": base.compile_sizes,
+             "tolerance": (base.atol, base.rtol) if base.tolerance_set else None,
+             "inductor": base.inductor, "name": base.name, "fallback": base.fallback, **ours}
+    if mode is not None:
+        given["mode"] = mode
+    made = BackendConfig.make(**given)
+    graphs = made.graphs or base.graphs if cuda_graphs is None else bool(cuda_graphs)
+    return replace(made, inductor={**made.inductor, **rest}, graphs=graphs)

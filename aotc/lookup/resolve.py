@@ -32,7 +32,7 @@ _COMPILE_LOGIC = ("aotc.compile.capture", "aotc.compile.split", "aotc.compile.pi
                   "aotc.backend.build", "aotc.backend.graphkey",
                   "aotc.model.build", "aotc.records.graphcode", "aotc._torch.dynamo", "aotc._torch.ops",
                   "aotc._torch.inductor_compile", "aotc._torch.inductor_load",
-                  "aotc._torch.inductor_facts", "aotc._torch.wrapper")
+                  "aotc._torch.inductor_facts", "aotc._torch.wrapper", "aotc._torch.kernel_checks")
 
 
 def compile_logic_hash() -> str:
