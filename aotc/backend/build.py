@@ -24,17 +24,17 @@ import torch
 import torch.fx
 
 from aotc._torch import dynamo, inductor_compile, isa_probes
-from aotc._torch.ops import graph_returns_tuple, mutated_args
+from aotc._torch.ops import mutated_args
 from aotc.cache import workdirs
-from aotc.compile.pieces import piece_uid
+from aotc.compile.pieces import piece_records, piece_uid
 from aotc.compile.reuse import seed_from_store
-from aotc.compile.split import SplitResult, split, splitting_op_of
+from aotc.compile.split import SplitResult, split
 from aotc.compile.workers import (artifact_files, compile_tasks, discard, merge_kernels,
                                   note_check_failed)
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
-from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
+from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot
 from aotc.lookup.toolchain import fingerprint
 from aotc.runtime.checking import flat_tensors, same, tensor_errors
 from aotc.runtime.graphcall import GraphRunner
@@ -261,11 +261,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
             name=name, device=device,
             dtype=str(_float_dtype(example_inputs)).removeprefix("torch."), slots=slots, inputs=(),
             stitch=encode_graph(parts.stitch),
-            pieces=tuple(PieceRecord(p.name, "compiled", uid=uid_of[p.name],
-                                     returns_tuple=graph_returns_tuple(p.gm)) if not p.is_splitting
-                         else PieceRecord(p.name, "splitting", graph=encode_graph(p.gm),
-                                          op=splitting_op_of(p.gm))
-                         for p in parts.pieces),
+            pieces=piece_records(parts, uid_of),
             artifacts=tuple(artifacts), kernel_roles=kernel_roles, compile_sizes=tuple(sizes if dynamic else ()),
             capture_sizes=(), max_tokens=0, dynamic_mode="backed" if dynamic else "static",
             min_dynamic_tokens=1, source_files={})

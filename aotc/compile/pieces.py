@@ -82,3 +82,58 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     for w in parts.warnings:
         progress.note(w)
     return Traced(model, captured, parts, uid_of, first_of, list(parts.warnings))
+
+
+def _dense_order(shape: list[int], strides: list[int]) -> list[int] | None:
+    """The dims of a dense, non-overlapping layout from outermost to innermost, or None."""
+    order = sorted(range(len(shape)), key=lambda d: (strides[d], shape[d]), reverse=True)
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and strides[d] != expected:
+            return None
+        expected *= max(shape[d], 1)
+    return order
+
+
+def input_layouts(parts: SplitResult, piece: Piece) -> list[list[int] | None] | None:
+    """For each input of compiled ``piece`` that another piece produces, the dense layout
+    Inductor compiled it for (from the traced strides): the runtime hands the piece a copy in
+    that layout when the producer's differs (an Inductor piece or an eager attention op may lay
+    out an output otherwise than the trace did — Phi-3's rotary output, then SDPA's)."""
+    import torch
+
+    from aotc._torch.dynamo import symint_hint
+
+    calls = {str(n.target): n for n in parts.stitch.graph.nodes if n.op == "call_module"}
+    fed = calls[piece.name].args
+    out: list[list[int] | None] = []
+    placeholders = [n for n in piece.gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("example_value", node.meta.get("val"))
+        source = fed[i] if i < len(fed) else None
+        if not isinstance(val, torch.Tensor) or not isinstance(source, torch.fx.Node) \
+                or source.op == "placeholder" or val.dim() < 2:
+            out.append(None)
+            continue
+        shape = [symint_hint(s) for s in val.shape]
+        strides = [symint_hint(s) for s in val.stride()]
+        if any(v is None for v in shape + strides):
+            out.append(None)
+            continue
+        out.append(_dense_order(shape, strides))  # type: ignore[arg-type]
+    return out if any(o is not None for o in out) else None
+
+
+def piece_records(parts: SplitResult, uid_of: dict[str, str]) -> tuple[Any, ...]:
+    """The program's piece table: each compiled piece by its unique id (with its input
+    layouts), each splitting piece with its graph, in stitching order."""
+    from aotc._torch.ops import graph_returns_tuple
+    from aotc.compile.split import splitting_op_of
+    from aotc.records.graphcode import encode_graph
+    from aotc.records.program import PieceRecord
+
+    return tuple(
+        PieceRecord(p.name, "compiled", uid=uid_of[p.name], returns_tuple=graph_returns_tuple(p.gm),
+                    layouts=input_layouts(parts, p)) if not p.is_splitting else
+        PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=splitting_op_of(p.gm))
+        for p in parts.pieces)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from aotc._torch import header_build, inductor_compile, isa_probes
-from aotc._torch.ops import graph_returns_tuple
 from aotc.cache import StoreReadOnlyError, workdirs
 from aotc.runtime.checking import compare_runs
 from aotc.model.build import make_inputs
@@ -27,7 +26,7 @@ from aotc.records.graphcode import encode_graph
 from aotc.records.key import compute_key
 from aotc.manifest import Manifest
 from aotc.lookup.stores import as_manifest, open_store
-from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, PieceRecord, Program, Slot
+from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot
 from aotc.progress import Progress
 from aotc.lookup.toolchain import fingerprint, machine_factors
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
@@ -35,9 +34,8 @@ from aotc.runtime.runner import Runner
 from aotc.runtime.rehydrate import rehydrate
 from aotc.compile.workers import (artifact_files, compile_tasks, discard, kernel_builds,
                                   merge_kernels, note_check_failed, profile, resumed_from)
-from aotc.compile.pieces import trace_and_split
+from aotc.compile.pieces import piece_records, trace_and_split
 from aotc.compile.reuse import seed_from_store
-from aotc.compile.split import splitting_op_of
 
 
 @dataclass(frozen=True)
@@ -179,11 +177,7 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
                 slots=_slots(captured.arg_spec, unwrap(model)),
                 inputs=tuple(_input_dict(s) for s in manifest.inputs),
                 stitch=encode_graph(parts.stitch),
-                pieces=tuple(
-                    PieceRecord(p.name, "compiled", uid=uid_of[p.name],
-                                returns_tuple=graph_returns_tuple(p.gm)) if not p.is_splitting else
-                    PieceRecord(p.name, "splitting", graph=encode_graph(p.gm), op=splitting_op_of(p.gm))
-                    for p in parts.pieces),
+                pieces=piece_records(parts, uid_of),
                 artifacts=tuple(artifacts), kernel_roles=kernel_roles,
                 compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
                 max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,

@@ -58,7 +58,7 @@ class GraphRunner:
                     self._modules[p.name] = modules[p.name]
                 else:
                     self._modules[p.name] = PieceCall(self, p.name, str(p.uid), artifacts[str(p.uid)],
-                                                      p.returns_tuple)
+                                                      p.returns_tuple, p.layouts)
             else:
                 call = SplittingCall(GraphProgram(p.graph or {"nodes": []}))
                 self._modules[p.name] = _HookedSplitting(self, p.name, call)

@@ -29,12 +29,15 @@ class PieceCall:
     ``current_tokens``, ``piece_hook`` and ``kernel_error``)."""
 
     def __init__(self, runner: Any, name: str, uid: str, by_size: Mapping[int | None, Artifact],
-                 returns_tuple: bool = True) -> None:
+                 returns_tuple: bool = True, layouts: Sequence[Sequence[int] | None] | None = None) -> None:
         self.runner, self.name, self.uid, self.by_size = runner, name, uid, dict(by_size)
         self.returns_tuple = returns_tuple
         self.dynamic = self.by_size.get(None)
+        self.layouts = None if not layouts else [None if o is None else tuple(o) for o in layouts]
 
     def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
+        if self.layouts is not None:
+            args = in_layouts(args, self.layouts)
         n = self.runner.current_tokens
         fn = self.by_size.get(n) or self.dynamic
         if fn is None:
@@ -49,6 +52,27 @@ class PieceCall:
             raise self.runner.kernel_error(self, n, e) from e
         out = out if isinstance(out, (list, tuple)) else (out,)
         return out if self.returns_tuple else out[0]
+
+
+def in_layouts(args: Sequence[Any], layouts: Sequence[tuple[int, ...] | None]) -> tuple[Any, ...]:
+    """``args`` with each tensor whose layout differs from the one its piece was compiled for
+    (``layouts[i]``: dims outermost first) replaced by a copy in that layout; a dim of size 1
+    may have any stride. Inductor asserts its inputs' strides: another piece or an eager
+    attention op may lay out its output otherwise than the trace said."""
+    out = list(args)
+    for i, order in enumerate(layouts):
+        t = out[i] if order is not None and i < len(out) else None
+        if not isinstance(t, torch.Tensor) or t.dim() != len(order):  # type: ignore[arg-type]
+            continue
+        want = [0] * t.dim()
+        step = 1
+        for d in reversed(order):  # type: ignore[arg-type]
+            want[d] = step
+            step *= max(int(t.shape[d]), 1)
+        have = t.stride()
+        if any(t.shape[d] != 1 and have[d] != want[d] for d in range(t.dim())):
+            out[i] = torch.empty_strided(t.shape, want, dtype=t.dtype, device=t.device).copy_(t)
+    return tuple(out)
 
 
 class SplittingCall:
@@ -104,7 +128,7 @@ class Runner:
         for p in program.pieces:
             if p.kind == "compiled":
                 self._modules[p.name] = PieceCall(self, p.name, str(p.uid),
-                                                       artifacts[str(p.uid)], p.returns_tuple)
+                                                  artifacts[str(p.uid)], p.returns_tuple, p.layouts)
             else:
                 self._modules[p.name] = SplittingCall(GraphProgram(p.graph or {"nodes": []}))
         self._bind(self.model)

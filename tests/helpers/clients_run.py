@@ -7,7 +7,8 @@ aotc's counters. The clients are code aotc did not write: transformers' models a
 Cases: ``forward:ARCH`` (``torch.compile(model)`` called at 3 sizes: a static graph, then the
 dynamic one Dynamo makes after the shape changes), ``generate:ARCH`` (``generate()`` with a
 static cache, its decode step compiled through ``CompileConfig(backend="aotc")``, twice),
-``gptfast``, ``static-shapes``, ``python-guard``, ``break-print``, ``break-item``;
+``gptfast``, ``static-shapes``, ``python-guard``, ``break-print``, ``break-item``, ``oov`` (a
+token id outside the vocabulary between two valid calls);
 ARCH in :data:`tests.fixtures.client_models.ARCHS`.
 """
 
@@ -91,6 +92,24 @@ def graph_break(kind: str) -> dict[str, Any]:
     return {"max_err": max(errs)}
 
 
+def out_of_vocabulary() -> dict[str, Any]:
+    """A valid call, a token id outside the vocabulary, a valid call again (``dynamic=True``):
+    the bad call must raise a ``RuntimeError`` naming the piece (never abort the process)."""
+    model = cm.hf_model("llama")
+    compiled = torch.compile(model, backend="aotc", dynamic=True)
+    with torch.no_grad():
+        first = _err(compiled(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits,
+                     model(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits)
+        try:
+            compiled(input_ids=torch.tensor([[1, 2, cm.VOCAB + 100, 3, 4]]))
+            raised = None
+        except RuntimeError as e:
+            raised = f"{type(e).__name__}: {e}"
+        ids = torch.tensor([[7, 8, 9, 10, 11, 12]])
+        after = _err(compiled(input_ids=ids).logits, model(input_ids=ids).logits)
+    return {"max_err": max(first, after), "raised": raised}
+
+
 def run(case: str) -> dict[str, Any]:
     kind, _, arch = case.partition(":")
     if kind == "forward":
@@ -99,6 +118,8 @@ def run(case: str) -> dict[str, Any]:
         return generate(arch)
     if kind == "gptfast":
         return gptfast()
+    if kind == "oov":
+        return out_of_vocabulary()
     if kind == "static-shapes":
         return static_shapes()
     if kind == "python-guard":
