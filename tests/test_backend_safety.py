@@ -218,3 +218,22 @@ def test_compiling_a_stateful_graph_moves_its_state_as_eager_does(tmp_path: Path
             assert torch.allclose(step(ids, pos), ref(ids, pos), atol=1e-4)
     assert int(model.steps) == int(ref.steps) == 3
     assert torch.equal(model.k_cache, ref.k_cache) or torch.allclose(model.k_cache, ref.k_cache, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_failed_numeric_check_falls_back_and_stores_nothing(tmp_path: Path, capfd) -> None:
+    """Random numbers drawn in the graph: the compiled program cannot agree with the graph run
+    eagerly, so nothing is stored and Inductor serves the graph."""
+    import aotc
+    from aotc.cache import Store
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + torch.randn_like(x), backend=aotc.backend(store=str(tmp_path / "s")))
+    assert fn(torch.zeros(64)).shape == (64,)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("aotc:")]
+    assert len(lines) == 1 and "not served by aotc (NumericMismatchError:" in lines[0], lines
+    s = Store(tmp_path / "s")
+    try:
+        assert s.keys() == []
+    finally:
+        s.close()
