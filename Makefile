@@ -42,6 +42,7 @@ bench: install
 	$(PY) -m bench.store
 	$(PY) -m bench.sidebyside
 	$(PY) -m bench.vllm_serving
+	$(PY) -m bench.hf_generate
 
 # the real vLLM engine side by side (<= 10 min): bench/results/vllm.{json,md}
 bench-vllm: install
