@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,12 +40,15 @@ COMMON = ["--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tok
 
 def _env(d: Path, **extra: str) -> dict[str, str]:
     d.mkdir(parents=True, exist_ok=True)
-    for sub in ("vllm-cache", "inductor", "tmp"):
+    for sub in ("vllm-cache", "inductor"):
         (d / sub).mkdir(exist_ok=True)
+    # vLLM puts its ZeroMQ ipc sockets under TMPDIR: a path over 107 characters (pytest's
+    # basetemp, deep) cannot be bound, so the temp dir is a short one of its own
+    tmp = Path(tempfile.mkdtemp(prefix="aotc-vllm-", dir="/tmp"))
     return {**python_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "VLLM_CACHE_ROOT": str(d / "vllm-cache"), "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"),
-            "TMPDIR": str(d / "tmp"), **extra}
+            "TMPDIR": str(tmp), **extra}
 
 
 def _complete(url: str) -> list[dict[str, Any]]:
@@ -63,12 +68,14 @@ def _complete(url: str) -> list[dict[str, Any]]:
 
 def _serve(tmp: Path, name: str, model: Path, args: list[str], **env: str) -> tuple[list, str]:
     """Start one server, wait for it, run the completions, stop it; (answers, server log)."""
-    server = VllmServer(model, [*COMMON, *args], _env(tmp / name, **env), tmp / f"{name}.log")
+    environ = _env(tmp / name, **env)
+    server = VllmServer(model, [*COMMON, *args], environ, tmp / f"{name}.log")
     try:
         server.wait_ready(timeout=600)
         return _complete(server.url), server.log_text()
     finally:
         server.stop()
+        shutil.rmtree(environ["TMPDIR"], ignore_errors=True)
 
 
 def test_vllm_openai_server_with_the_aotc_backend_answers_as_eager(tmp_path: Path) -> None:
