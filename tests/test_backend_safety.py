@@ -237,3 +237,23 @@ def test_a_failed_numeric_check_falls_back_and_stores_nothing(tmp_path: Path, ca
         assert s.keys() == []
     finally:
         s.close()
+
+
+def test_a_piece_gets_its_inputs_in_the_layout_it_was_compiled_for() -> None:
+    """Phi-3's case: the piece was compiled for a contiguous [1, 4, 5, 16] and the attention
+    op hands it the same values laid out [1, 5, 4, 16]-first: the piece gets a dense copy in
+    its own layout; a tensor already in it (or differing only in a size-1 dim) passes as is."""
+    from aotc.runtime.runner import in_layouts
+
+    memo: dict = {}
+    layouts = [(0, (0, 1, 2, 3)), (2, (0, 1, 2, 3))]
+    transposed = torch.randn(1, 5, 4, 16).transpose(1, 2)
+    fine = torch.randn(1, 4, 5, 16)
+    weight = torch.randn(16, 16).t()  # no layout recorded: the caller's own stands
+    out = in_layouts((transposed, weight, fine), layouts, memo)
+    assert out[0].stride() == (320, 80, 16, 1) and torch.equal(out[0], transposed)
+    assert out[1] is weight and out[2] is fine
+    one = torch.randn(2, 1, 8).as_strided((2, 1, 8), (8, 999, 1))
+    assert in_layouts((one,), [(0, (0, 1, 2))], memo)[0] is one
+    args = (fine, weight, fine)
+    assert in_layouts(args, layouts, memo) is args  # nothing copied: the same tuple back

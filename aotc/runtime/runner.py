@@ -33,11 +33,12 @@ class PieceCall:
         self.runner, self.name, self.uid, self.by_size = runner, name, uid, dict(by_size)
         self.returns_tuple = returns_tuple
         self.dynamic = self.by_size.get(None)
-        self.layouts = None if not layouts else [None if o is None else tuple(o) for o in layouts]
+        self.layouts = [(i, tuple(o)) for i, o in enumerate(layouts or ()) if o is not None]
+        self._strides: dict[Any, tuple[int, ...]] = {}
 
     def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
-        if self.layouts is not None:
-            args = in_layouts(args, self.layouts)
+        if self.layouts:
+            args = in_layouts(args, self.layouts, self._strides)  # type: ignore[assignment]
         n = self.runner.current_tokens
         fn = self.by_size.get(n) or self.dynamic
         if fn is None:
@@ -54,25 +55,34 @@ class PieceCall:
         return out if self.returns_tuple else out[0]
 
 
-def in_layouts(args: Sequence[Any], layouts: Sequence[tuple[int, ...] | None]) -> tuple[Any, ...]:
+def in_layouts(args: Sequence[Any], layouts: Sequence[tuple[int, tuple[int, ...]]],
+               memo: dict[Any, tuple[int, ...]]) -> Sequence[Any]:
     """``args`` with each tensor whose layout differs from the one its piece was compiled for
-    (``layouts[i]``: dims outermost first) replaced by a copy in that layout; a dim of size 1
-    may have any stride. Inductor asserts its inputs' strides: another piece or an eager
-    attention op may lay out its output otherwise than the trace said."""
-    out = list(args)
-    for i, order in enumerate(layouts):
-        t = out[i] if order is not None and i < len(out) else None
-        if not isinstance(t, torch.Tensor) or t.dim() != len(order):  # type: ignore[arg-type]
+    (``layouts``: ``(position, dims outermost first)``) replaced by a copy in that layout; a dim
+    of size 1 may have any stride. Inductor asserts its inputs' strides: another piece or an
+    eager attention op may lay out its output otherwise than the trace said. ``memo``: the
+    strides wanted per (position, shape), filled as calls come."""
+    out: list[Any] | None = None
+    for i, order in layouts:
+        t = args[i] if i < len(args) else None
+        if not isinstance(t, torch.Tensor) or t.dim() != len(order):
             continue
-        want = [0] * t.dim()
-        step = 1
-        for d in reversed(order):  # type: ignore[arg-type]
-            want[d] = step
-            step *= max(int(t.shape[d]), 1)
+        shape = t.shape
+        want = memo.get((i, shape))
+        if want is None:
+            strides = [0] * len(order)
+            step = 1
+            for d in reversed(order):
+                strides[d] = step
+                step *= max(int(shape[d]), 1)
+            want = memo[(i, shape)] = tuple(strides)
+            if len(memo) > 256:  # a bounded memo: sizes come and go
+                memo.clear()
         have = t.stride()
-        if any(t.shape[d] != 1 and have[d] != want[d] for d in range(t.dim())):
-            out[i] = torch.empty_strided(t.shape, want, dtype=t.dtype, device=t.device).copy_(t)
-    return tuple(out)
+        if have != want and any(shape[d] != 1 and have[d] != want[d] for d in range(len(order))):
+            out = list(args) if out is None else out
+            out[i] = torch.empty_strided(shape, want, dtype=t.dtype, device=t.device).copy_(t)
+    return args if out is None else tuple(out)
 
 
 class SplittingCall:
