@@ -189,3 +189,56 @@ def test_layout_helpers_see_the_code() -> None:
     assert len(_torch_private_uses(bad)) == 2
     assert len(_env_reads(bad)) == 2
     assert sys.version_info >= (3, 10)
+
+
+# The modules the review found outside the old hand list (a comment appended to any left
+# `aotc explain` a hit), and the one that rewrites kernel sources.
+_ONCE_LEFT_OUT = ["aotc._torch.kernel_batch", "aotc._torch.kernel_pool", "aotc._torch.isa_probes",
+                  "aotc._torch.header_build", "aotc._torch.forked", "aotc.compile.workers",
+                  "aotc.compile.reuse", "aotc.compile.pipeline", "aotc.compile.forked_workers",
+                  "aotc.model.forward", "aotc._torch.kernel_checks"]
+
+
+def _package_copy(tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "aotc"
+    shutil.copytree(ROOT / "aotc", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_every_module_is_in_the_key_or_left_out_with_a_reason() -> None:
+    from aotc.lookup.compile_logic import (NOT_COMPILE_LOGIC, NOT_COMPILE_LOGIC_PACKAGES,
+                                           compile_logic_modules)
+
+    aotc_modules = {n for n in MODULES if not n.startswith(("aotc.cache", "aotc.cli"))}
+    hashed = {n for n, _ in compile_logic_modules()}
+    assert hashed | set(NOT_COMPILE_LOGIC) == aotc_modules  # each module in one of the two
+    assert not hashed & set(NOT_COMPILE_LOGIC)
+    assert all(len(why) > 20 for why in [*NOT_COMPILE_LOGIC.values(), *NOT_COMPILE_LOGIC_PACKAGES.values()])
+    assert {"aotc._torch", "aotc.compile"} <= hashed
+    assert all(n in hashed for n in aotc_modules if n.startswith(("aotc._torch.", "aotc.compile.")))
+
+
+@pytest.mark.parametrize("module", _ONCE_LEFT_OUT)
+def test_a_change_to_compile_code_changes_the_key(tmp_path: Path, module: str) -> None:
+    from aotc.lookup.compile_logic import compile_logic_hash
+
+    copy = _package_copy(tmp_path)
+    before = compile_logic_hash(copy)
+    assert before == compile_logic_hash()  # a copy of this install hashes as this install
+    path = copy.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    path.write_text(path.read_text() + "\n# changed\n")
+    assert compile_logic_hash(copy) != before
+
+
+def test_a_change_to_code_that_builds_nothing_keeps_the_key(tmp_path: Path) -> None:
+    from aotc.lookup.compile_logic import compile_logic_hash
+
+    copy = _package_copy(tmp_path)
+    before = compile_logic_hash(copy)
+    for rel in ("fleet/sync.py", "progress.py", "runtime/cudagraph.py"):
+        (copy / rel).write_text((copy / rel).read_text() + "\n# changed\n")
+    (copy / "cli").mkdir()  # a wheel installs the CLI and the store under aotc/
+    (copy / "cli" / "main.py").write_text("# the CLI\n")
+    assert compile_logic_hash(copy) == before

@@ -33,7 +33,8 @@ def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | 
     toolchain memo lives; default: the configured store)."""
     from aotc._torch import inductor_facts
     from aotc.backend.graphkey import graph_device, graph_factors
-    from aotc.lookup.resolve import compile_logic_hash, inductor_factors
+    from aotc.lookup.compile_logic import compile_logic_hash
+    from aotc.lookup.resolve import inductor_factors
     from aotc.lookup.toolchain import machine_factors
     from aotc.records.key import FORMAT_VERSION, compute_key
     from aotc.settings import current

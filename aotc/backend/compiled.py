@@ -65,7 +65,7 @@ def _check_machine(entry: Any, store: Any) -> None:
     """An entry loaded by key alone (a saved AOT record) must have been built for this machine:
     the same toolchain (compiler, CPU ISA or GPU, torch) and aotc compile logic. Otherwise a
     ``LoadError``, and a framework that saved the record (vLLM) compiles again."""
-    from aotc.lookup.resolve import compile_logic_hash
+    from aotc.lookup.compile_logic import compile_logic_hash
     from aotc.lookup.toolchain import machine_factors
 
     device = str(entry.metadata.get("device") or "cpu")

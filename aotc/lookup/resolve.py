@@ -22,28 +22,9 @@ from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
 from aotc.counters import COUNTERS
 from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 from aotc.manifest import Manifest, thaw
+from aotc.lookup.compile_logic import compile_logic_hash
 from aotc.lookup.filehash import file_sha256
 from aotc.lookup.toolchain import codegen_env
-
-
-# aotc's own modules whose logic shapes the artifacts (capture, split, compile settings), by
-# dotted name: a module that moves changes its name, and so the hash, on purpose.
-_COMPILE_LOGIC = ("aotc.compile.capture", "aotc.compile.split", "aotc.compile.pieces",
-                  "aotc.backend.build", "aotc.backend.graphkey",
-                  "aotc.model.build", "aotc.records.graphcode", "aotc._torch.dynamo", "aotc._torch.ops",
-                  "aotc._torch.inductor_compile", "aotc._torch.inductor_load",
-                  "aotc._torch.inductor_facts", "aotc._torch.wrapper", "aotc._torch.kernel_checks")
-
-
-def compile_logic_hash() -> str:
-    """sha256 over (module name, source) of each compile-logic module; the files are read from
-    this install without importing them (a lookup must not import the compile journey)."""
-    root = Path(__file__).resolve().parent.parent  # the aotc package
-    h = hashlib.sha256()
-    for name in _COMPILE_LOGIC:
-        path = root.joinpath(*name.split(".")[1:]).with_suffix(".py")
-        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def inductor_factors(patches: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
