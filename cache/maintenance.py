@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from aotc.cache import blobio, workdirs
 from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError
 from aotc.cache.deletion import _remove_unreferenced, delete_entries  # noqa: F401 - public here too
-from aotc.cache.humanize import format_size
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
     DEFAULT_MIN_IDLE, DEFAULT_TMP_GRACE, EntryInfo, StoreScan, _blob_files, scan,
 )
@@ -198,10 +197,6 @@ class GcPlan:
     max_size: int | None
     min_idle: float = DEFAULT_MIN_IDLE
     protected: tuple[EntryInfo, ...] = ()  # over max_size but spared: used within min_idle
-
-    @property
-    def expected_freed_size_str(self) -> str:
-        return format_size(self.expected_freed_size)
 
     def execute(self) -> int:
         """Delete what the plan names; returns the bytes actually freed."""

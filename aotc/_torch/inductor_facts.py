@@ -178,7 +178,7 @@ def _toolchain(device: str) -> dict[str, Any]:
 
 
 def counters_snapshot() -> dict[str, int]:
-    """Counts since process start (or :func:`reset_counters`), from torch's own counters.
+    """Counts since process start, from torch's own counters.
 
     ``frames_traced``/``graphs_captured`` (Dynamo), ``fx_graph_cache_hits``/``_misses``/
     ``_bypasses`` (Inductor; a miss or bypass is a real Inductor compile), ``autograd_cache_*``,
@@ -210,14 +210,6 @@ def counters_snapshot() -> dict[str, int]:
         "loads": _ours.loads,
         "fast_loads": _ours.fast_loads,
     }
-
-
-def reset_counters() -> None:
-    """Zero torch's Dynamo/Inductor counters and aotc's own."""
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    _ours.reset()
 
 
 def mode_options(mode: str) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
                                        kernel_files as _kernel_files)
 
-__all__ = ["isa_probe_files", "keep_isa_probes", "kept_isa_probes", "machine_isa_probe_dir",
+__all__ = ["isa_probe_files", "keep_isa_probes", "machine_isa_probe_dir",
            "seed_isa_probes"]
 
 _probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see isa_probe_files)
@@ -127,11 +127,6 @@ def machine_isa_probe_dir(fingerprint: str) -> Path:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return Path(default_cache_dir()) / "aotc-isa-probes" / fingerprint[:32]
-
-
-def kept_isa_probes() -> Path | None:
-    """Where ``keep_isa_probes`` keeps them in this process (None: not kept)."""
-    return _probe.get("keep")
 
 
 def _keep_probes(src: Path, dest: Path) -> None:
