@@ -7,9 +7,11 @@ Tables:
 - ``entry_blobs``: (key, role) pk → digest
 - ``events``: id, time, key, kind ("hit" | "miss" | "put" | "corrupt" | "delete"), detail
 
-Schema creation and reads go through sqlite-utils; write transactions are explicit
-``BEGIN IMMEDIATE`` … ``COMMIT`` on the same connection (sqlite-utils' own insert helpers commit
-on their own, which would end our transaction early).
+The tables are sqlite-utils' shape (``sqlite-utils tables index.sqlite`` reads them), and
+:attr:`Index.db` hands out a ``sqlite_utils.Database`` on the same connection for tools; the
+store itself talks plain ``sqlite3`` — sqlite-utils is imported only when ``db`` is asked for
+(importing it costs ~0.1–0.2 s, which every warm start would pay). Write transactions are
+explicit ``BEGIN IMMEDIATE`` … ``COMMIT`` on the same connection.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
-
-import sqlite_utils
 
 from aotc.cache.errors import CorruptedIndexError, StoreError, StoreLockedError, StoreReadOnlyError
 
@@ -102,9 +102,12 @@ class Index:
         return conn
 
     @property
-    def db(self) -> sqlite_utils.Database:
+    def db(self) -> Any:
+        """This thread's connection as a ``sqlite_utils.Database`` (for tools; imported here)."""
         db = getattr(self._local, "db", None)
         if db is None:
+            import sqlite_utils
+
             db = sqlite_utils.Database(self.conn)
             self._local.db = db
         return db
@@ -129,11 +132,11 @@ class Index:
             raise CorruptedIndexError(str(self.path), str(exc)) from exc
 
     def _create_schema(self) -> None:
-        db = self.db
-        if db.journal_mode != "wal":
+        conn = self.conn
+        if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
             for attempt in range(50):
                 try:
-                    db.enable_wal()
+                    conn.execute("PRAGMA journal_mode=wal")
                     break
                 except sqlite3.OperationalError as exc:
                     if not _is_locked(exc) or attempt == 49:
@@ -208,7 +211,9 @@ class Index:
     def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
         """Rows of a read query as dicts."""
         with self._translate():
-            return list(self.db.query(sql, params))
+            cur = self.conn.execute(sql, params)
+            names = [d[0] for d in cur.description or ()]
+            return [dict(zip(names, row)) for row in cur]
 
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> int:
         """One autocommitted statement (used for accounting: hits, last use, events); returns
