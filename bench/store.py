@@ -78,6 +78,29 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t0
 
 
+def lookup_seconds(root: Path, others: int) -> float:
+    """Median seconds of a lookup by probe (``Store.entry_rows(probe)``, what ``aotc.load`` asks
+    first) in a store holding one wanted entry and ``others`` entries of other probes."""
+    import statistics
+
+    store = Store(root)
+    try:
+        store.put("a" * 64, "wanted", {"program": b"p"}, metadata={"probe": "p" * 64})
+        with store.index.write() as conn:
+            conn.executemany("INSERT INTO entries (key, name, factors, metadata, created, "
+                             "last_used, probe) VALUES (?, 'other', '{}', ?, 0, 0, ?)",
+                             [(f"{i:064x}", '{"probe": "%064x"}' % i, f"{i:064x}")
+                              for i in range(others)])
+        times = []
+        for _ in range(21):
+            t = time.perf_counter()
+            assert len(store.entry_rows("p" * 64)) == 1
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    finally:
+        store.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256)
@@ -151,6 +174,10 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "put_vs_zstd3_command": round(t_zstd / t_put, 3),
         }
+        empty, full = lookup_seconds(work / "lookup-0", 0), lookup_seconds(work / "lookup-100k", 100_000)
+        res.update({"lookup_ms_1_entry": round(empty * 1e3, 3),
+                    "lookup_ms_100k_entries": round(full * 1e3, 3),
+                    "lookup_100k_minus_1_entry_ms": round((full - empty) * 1e3, 3)})
         if args.json:
             print(json.dumps(res, indent=2))
         else:

@@ -175,6 +175,26 @@ class Index:
                 "INSERT OR IGNORE INTO [meta] ([name], [value]) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),
             )
+            self._add_lookup_columns(conn)
+
+    @staticmethod
+    def _add_lookup_columns(conn: sqlite3.Connection) -> None:
+        """``entries.probe`` (the metadata's lookup probe, filled by ``Store.put``) and indexes
+        on it and on the name, so a lookup reads the rows it asks for, not every entry. A store
+        made before the column gets it here, filled from each row's metadata (a row whose
+        metadata is not JSON gets none: the lookup never finds it, as it never did)."""
+        columns = {row[1] for row in conn.execute("PRAGMA table_info([entries])")}
+        if "probe" not in columns:
+            conn.execute("ALTER TABLE [entries] ADD COLUMN [probe] TEXT")
+            conn.execute("UPDATE [entries] SET [probe] = json_extract([metadata], '$.probe') "
+                         "WHERE json_valid([metadata]) AND json_type([metadata], '$.probe') = 'text'")
+        conn.execute("CREATE INDEX IF NOT EXISTS [idx_entries_probe] ON [entries] ([probe])")
+        conn.execute("CREATE INDEX IF NOT EXISTS [idx_entries_name] ON [entries] ([name], [created])")
+
+    def has_column(self, table: str, column: str) -> bool:
+        """Whether ``table`` has ``column`` (a read-only store may predate it)."""
+        with self._translate():
+            return any(row[1] == column for row in self.conn.execute(f"PRAGMA table_info([{table}])"))
 
     # -- transactions -----------------------------------------------------------------------
     @contextmanager

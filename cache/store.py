@@ -153,6 +153,8 @@ class Store:
             raise StoreReadOnlyError(str(self.root), f"store entry {key[:16]}…")
         factors_json = json.dumps(dict(factors or {}), sort_keys=True)
         metadata_json = json.dumps(dict(metadata or {}), sort_keys=True)
+        probe = (metadata or {}).get("probe")
+        probe = probe if isinstance(probe, str) else None
         for role in blobs:
             if not isinstance(role, str) or not role:
                 raise StoreError(f"blob roles must be non-empty strings, got {role!r}")
@@ -178,8 +180,8 @@ class Store:
                     conn.execute("DELETE FROM signatures WHERE key = ?", (key,))  # new content
                     conn.execute(
                         "INSERT OR REPLACE INTO entries (key, name, factors, metadata, created,"
-                        " last_used, hits, bad) VALUES (?, ?, ?, ?, ?, ?, 0, NULL)",
-                        (key, name, factors_json, metadata_json, now, now),
+                        " last_used, hits, bad, probe) VALUES (?, ?, ?, ?, ?, ?, 0, NULL, ?)",
+                        (key, name, factors_json, metadata_json, now, now, probe),
                     )
                     conn.execute(
                         "INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'put', ?)",
@@ -380,10 +382,15 @@ class Store:
         return {r["public_key"]: r["signature"] for r in self.index.query(
             "SELECT public_key, signature FROM signatures WHERE key = ?", (key,))}
 
-    def entry_rows(self) -> list[dict[str, Any]]:
-        """Every entry's index row as stored (``key``, ``name``, ``metadata`` and ``factors`` as
+    def entry_rows(self, probe: str | None = None) -> list[dict[str, Any]]:
+        """Entries' index rows as stored (``key``, ``name``, ``metadata`` and ``factors`` as
         JSON text, ``bad``), newest first, damaged ones included: a lookup parses each itself,
-        so that one garbage row cannot break every lookup."""
+        so that one garbage row cannot break every lookup. ``probe``: only the rows recorded
+        with that lookup probe (an index read, whatever the store holds; a read-only store made
+        before the probe column is scanned whole)."""
+        if probe is not None and self.index.has_column("entries", "probe"):
+            return self.index.query("SELECT key, name, metadata, factors, bad FROM entries "
+                                    "WHERE probe = ? ORDER BY created DESC", (probe,))
         return self.index.query("SELECT key, name, metadata, factors, bad FROM entries "
                                 "ORDER BY created DESC")
 

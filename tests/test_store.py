@@ -314,3 +314,39 @@ def test_index_damaged_past_its_first_page_is_reported_and_repaired(tmp_path: Pa
     assert list(path.parent.glob("index.sqlite.corrupt-*"))
     after = Store(tmp_path / "s")
     assert after.keys() == [] and verify(after).ok and not list(after.blobs_dir.rglob("*/*"))
+
+
+def test_a_lookup_by_probe_reads_an_index_not_every_entry(tmp_path) -> None:
+    """``entry_rows(probe)`` answers from an index on the probe column (sqlite's query plan
+    says so), with 5,000 other entries in the store; a store made before the column gets it,
+    filled from each row's metadata, when it is next opened for writing."""
+    import sqlite3
+
+    from aotc.cache import Store
+
+    s = Store(tmp_path / "store")
+    s.put("a" * 64, "wanted", {"program": b"p"}, metadata={"probe": "p" * 64})
+    with s.index.write() as conn:  # 5,000 entries of another probe, written in one go
+        conn.executemany("INSERT INTO entries (key, name, factors, metadata, created, last_used, "
+                         "probe) VALUES (?, 'other', '{}', ?, 0, 0, ?)",
+                         [(f"{i:064x}", '{"probe": "%s"}' % ("q" * 64), "q" * 64) for i in range(5000)])
+    rows = s.entry_rows("p" * 64)
+    assert [r["key"] for r in rows] == ["a" * 64]
+    plan = " ".join(str(r) for r in s.index.conn.execute(
+        "EXPLAIN QUERY PLAN SELECT key FROM entries WHERE probe = ?", ("p" * 64,)))
+    assert "idx_entries_probe" in plan, plan
+    path = s.index.path
+    s.close()
+    # an index from before the column: dropped here, then the store is opened again
+    conn = sqlite3.connect(path)
+    conn.execute("DROP INDEX idx_entries_probe")
+    conn.execute("ALTER TABLE entries DROP COLUMN probe")
+    conn.execute("UPDATE entries SET metadata = 'not json' WHERE key = ?", ("0" * 64,))
+    conn.commit()
+    conn.close()
+    again = Store(tmp_path / "store")
+    try:
+        assert [r["key"] for r in again.entry_rows("p" * 64)] == ["a" * 64]
+        assert len(again.entry_rows("q" * 64)) == 4999  # the garbage row is never a candidate
+    finally:
+        again.close()

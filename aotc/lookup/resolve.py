@@ -162,7 +162,7 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
     ``machine`` is ``aotc.lookup.toolchain.machine_factors(...)``."""
     base = base_factors(manifest, machine)
     probe = compute_key(base)
-    rows = store.entry_rows()  # bad entries too: get() raises for them, so a lookup says why
+    rows = store.entry_rows(probe)  # bad entries too: get() raises for them, so a lookup says why
     candidates = []
     corrupt: CorruptedCacheError | None = None
     for row in rows:
