@@ -35,6 +35,8 @@ class EntryInfo:
     bad: str | None
     pieces: int | None = None
     shapes: tuple[str, ...] = ()
+    shared_blobs: int = 0  # of its distinct blobs, how many another entry holds too
+    shared_stored_size: int = 0  # their bytes on disk (counted in stored_size as well)
 
     @property
     def key_short(self) -> str:
@@ -62,6 +64,7 @@ class EntryInfo:
             "key": self.key, "name": self.name, "blobs": self.blob_count, "size": self.size,
             "stored_size": self.stored_size, "created": self.created, "last_used": self.last_used,
             "hits": self.hits, "bad": self.bad, "pieces": self.pieces, "shapes": list(self.shapes),
+            "shared_blobs": self.shared_blobs, "shared_stored_size": self.shared_stored_size,
         }
 
 
@@ -121,11 +124,17 @@ def _tmp_files(store: Store, grace: float) -> list[Path]:
 
 def _entry_info(row: dict[str, Any], by_key: dict[str, list[dict[str, Any]]],
                 blob_rows: dict[str, dict[str, Any]], files: dict[str, Path],
-                warnings: list[str]) -> EntryInfo:
+                warnings: list[str], holders: dict[str, int]) -> EntryInfo:
+    """One entry's figures over its DISTINCT blobs (several roles may name one blob: batched
+    kernel libraries, identical artifacts), so no entry is ever larger than the store."""
     key = str(row["key"])
 
-    size = stored = 0
+    size = stored = shared = shared_stored = 0
+    seen: set[str] = set()
     for ref in by_key.get(key, []):
+        if ref["digest"] in seen:
+            continue
+        seen.add(ref["digest"])
         blob = blob_rows.get(ref["digest"])
         if blob is None:
             warnings.append(f"entry {key[:12]} ({row['name']}): blob {ref['role']!r} has no index row")
@@ -137,6 +146,9 @@ def _entry_info(row: dict[str, Any], by_key: dict[str, list[dict[str, Any]]],
             )
         size += int(blob["size"] or 0)
         stored += int(blob["stored_size"] or 0)
+        if holders.get(ref["digest"], 0) > 1:
+            shared += 1
+            shared_stored += int(blob["stored_size"] or 0)
     pieces, shapes = None, ()
     try:
         meta = json.loads(row["metadata"])
@@ -148,10 +160,10 @@ def _entry_info(row: dict[str, Any], by_key: dict[str, list[dict[str, Any]]],
     if row["bad"] is not None:
         warnings.append(f"entry {key[:12]} ({row['name']}) is marked bad: {row['bad']}")
     return EntryInfo(
-        key=key, name=str(row["name"]), blob_count=len(by_key.get(key, [])), size=size,
+        key=key, name=str(row["name"]), blob_count=len(seen), size=size,
         stored_size=stored, created=float(row["created"] or 0),
         last_used=float(row["last_used"] or 0), hits=int(row["hits"] or 0), bad=row["bad"],
-        pieces=pieces, shapes=shapes,
+        pieces=pieces, shapes=shapes, shared_blobs=shared, shared_stored_size=shared_stored,
     )
 
 
@@ -164,12 +176,15 @@ def scan(store: Store, tmp_grace: float = DEFAULT_TMP_GRACE) -> StoreScan:
         refs = store.index.query("SELECT key, role, digest FROM entry_blobs")
         entry_rows = store.index.query("SELECT * FROM entries ORDER BY last_used DESC")
     by_key: dict[str, list[dict[str, Any]]] = {}
+    keys_of: dict[str, set[str]] = {}
     for ref in refs:
         by_key.setdefault(ref["key"], []).append(ref)
+        keys_of.setdefault(ref["digest"], set()).add(ref["key"])
+    holders = {digest: len(keys) for digest, keys in keys_of.items()}
     entries = []
     for row in entry_rows:
         try:
-            entries.append(_entry_info(row, by_key, blob_rows, files, warnings))
+            entries.append(_entry_info(row, by_key, blob_rows, files, warnings, holders))
         except (TypeError, ValueError) as exc:
             warnings.append(f"entry {str(row['key'])[:12]}: index row is garbage ({exc})")
     referenced = {r["digest"] for r in refs}

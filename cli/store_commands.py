@@ -13,7 +13,8 @@ from aotc.cache.humanize import format_size
 from aotc.cli.options import json_option, trust_option
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
 
-_COLUMNS = ("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON DISK", "CREATED", "LAST USED", "HITS")
+_COLUMNS = ("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON DISK", "CREATED", "LAST USED", "HITS",
+            "SHARED")
 
 
 def _entry_table(entries: Any, verbose: bool, remote: bool = False) -> str:
@@ -25,7 +26,8 @@ def _entry_table(entries: Any, verbose: bool, remote: bool = False) -> str:
         row = (e.name + (" [BAD]" if e.bad else ""), e.key if verbose else e.key_short,
                str(e.blob_count), "-" if e.pieces is None else str(e.pieces), e.size_str,
                e.stored_size_str, e.created_str)
-        rows.append(row if remote else (*row, e.last_used_str, str(e.hits)))
+        shared = f"{e.shared_blobs} ({format_size(e.shared_stored_size)})" if e.shared_blobs else "-"
+        rows.append(row if remote else (*row, e.last_used_str, str(e.hits), shared))
         if verbose and e.shapes:
             rows.append(("", "  shapes: " + ", ".join(e.shapes), *[""] * (len(columns) - 2)))
     return _table(rows)

@@ -350,3 +350,15 @@ def test_a_lookup_by_probe_reads_an_index_not_every_entry(tmp_path) -> None:
         assert len(again.entry_rows("q" * 64)) == 4999  # the garbage row is never a candidate
     finally:
         again.close()
+
+
+def test_an_entry_counts_each_blob_once_and_says_what_it_shares(store: Store) -> None:
+    """Two roles naming one blob (batched kernel libraries) count once: no entry is ever larger
+    than the store; a blob another entry holds too is said as shared."""
+    store.put(key("a"), "a", {"k1": b"same", "k2": b"same", "own": b"xyz"})
+    store.put(key("b"), "b", {"k": b"same"})
+    s = scan(store)
+    a = next(e for e in s.entries if e.name == "a")
+    assert (a.blob_count, a.size, a.shared_blobs) == (2, 7, 1)
+    assert a.stored_size <= s.size_on_disk and a.shared_stored_size > 0
+    assert s.to_json()["entries"][0]["shared_blobs"] == 1
