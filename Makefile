@@ -52,8 +52,12 @@ bench-vllm: install
 bench-quick: install
 	$(PY) -m bench.sidebyside --quick --out bench/results/quick
 
+# ruff (pyflakes, pycodestyle, bugbear, pyupgrade, isort) and mypy over the library; every noqa /
+# type: ignore left says why on its line
 lint: install
-	$(PY) -m compileall -q aotc cache cli bench tests
+	$(PY) -m ruff check aotc cache cli
+	$(PY) -m mypy
+	$(PY) -m compileall -q bench tests
 
 clean:
 	rm -rf $(VENV) $(DEMO_STORE) .pytest_cache

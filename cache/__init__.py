@@ -1,8 +1,14 @@
 """The content-addressed artifact store (import name ``aotc.cache``). Never imports torch."""
 
 from aotc.cache.errors import (
-    AotcError, CacheMiss, CorruptedCacheError, CorruptedIndexError, StoreError, StoreLockedError,
-    StoreNotFoundError, StoreReadOnlyError,
+    AotcError,
+    CacheMiss,
+    CorruptedCacheError,
+    CorruptedIndexError,
+    StoreError,
+    StoreLockedError,
+    StoreNotFoundError,
+    StoreReadOnlyError,
 )
 from aotc.cache.store import Entry, Store
 
@@ -11,9 +17,18 @@ __all__ = [
     "StoreNotFoundError", "StoreReadOnlyError", "Entry", "Store",
 ]
 
-from aotc.cache.maintenance import (  # noqa: E402
-    EntryInfo, GcPlan, Problem, StoreScan, VerifyReport, delete_entries, parse_size, plan_gc, scan,
-    verify, verify_at,
+from aotc.cache.maintenance import (  # noqa: E402 - after the names the submodules import from this package
+    EntryInfo,
+    GcPlan,
+    Problem,
+    StoreScan,
+    VerifyReport,
+    delete_entries,
+    parse_size,
+    plan_gc,
+    scan,
+    verify,
+    verify_at,
 )
 
 __all__ += [

@@ -9,16 +9,17 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import BinaryIO
 
 import zstandard
 
 CHUNK = 1 << 20  # 1 MiB
 ZSTD_LEVEL = 3
 
-BlobSource = Union[bytes, bytearray, memoryview, os.PathLike, str]
+BlobSource = bytes | bytearray | memoryview | os.PathLike | str
 
 
 @dataclass(frozen=True)

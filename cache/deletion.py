@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from aotc.cache import blobio
 

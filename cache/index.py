@@ -20,9 +20,10 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from aotc.cache.errors import CorruptedIndexError, StoreError, StoreLockedError, StoreReadOnlyError
 

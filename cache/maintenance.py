@@ -15,10 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotc.cache import blobio, workdirs
-from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError
 from aotc.cache.deletion import _remove_unreferenced, delete_entries  # noqa: F401 - public here too
+from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
-    DEFAULT_MIN_IDLE, DEFAULT_TMP_GRACE, EntryInfo, StoreScan, _blob_files, scan,
+    DEFAULT_MIN_IDLE,
+    DEFAULT_TMP_GRACE,
+    EntryInfo,
+    StoreScan,
+    _blob_files,
+    scan,
 )
 
 if TYPE_CHECKING:

@@ -149,7 +149,8 @@ def _entry_info(row: dict[str, Any], by_key: dict[str, list[dict[str, Any]]],
         if holders.get(ref["digest"], 0) > 1:
             shared += 1
             shared_stored += int(blob["stored_size"] or 0)
-    pieces, shapes = None, ()
+    pieces: int | None = None
+    shapes: tuple[str, ...] = ()
     try:
         meta = json.loads(row["metadata"])
         pieces = meta.get("pieces") if isinstance(meta.get("pieces"), int) else None

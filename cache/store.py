@@ -21,9 +21,10 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from aotc.cache import blobio
 from aotc.cache.errors import CacheMiss, CorruptedCacheError, StoreError, StoreNotFoundError, StoreReadOnlyError
@@ -74,7 +75,7 @@ class Entry:
 def _validate_key(key: object) -> str:
     if not blobio.is_digest(key):
         raise StoreError(f"store key must be 64 lowercase hex characters (a sha256), got {key!r}")
-    return key  # type: ignore[return-value]
+    return key  # type: ignore[return-value]  # validated above: the key is a str of 64 hex digits
 
 
 _ANNOUNCED_READ_ONLY: set[str] = set()
@@ -264,7 +265,7 @@ class Store:
             return blobio.read_blob_bytes(self.blob_path(ref.digest), ref.digest, ref.size)
         except blobio.BlobCorrupt as exc:
             self._corrupt(entry.key, ref, str(exc))
-            raise AssertionError("unreachable")  # pragma: no cover
+            raise AssertionError("unreachable") from exc  # pragma: no cover
 
     def verify_blob(self, entry: Entry, role: str) -> None:
         """Re-hash one blob of ``entry`` without keeping its bytes (``CorruptedCacheError`` and

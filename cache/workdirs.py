@@ -13,9 +13,9 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 LOCK_NAME = ".lock"
 PREFIX = "compile-"

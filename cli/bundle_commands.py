@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from aotc.cache.humanize import format_size
-from aotc.cli.options import json_option, trust_option
 from aotc.cli.common import AppContext, guard, pass_app, print_json
+from aotc.cli.options import json_option, trust_option
 
 
 @click.command("export")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -84,7 +85,7 @@ class AotcClickError(click.ClickException):
 
     def __init__(self, err: AotcError) -> None:
         super().__init__(" ".join(str(err).split()))
-        self.exit_code = err.exit_code
+        self.exit_code = err.exit_code  # type: ignore[misc]  # click reads it per instance
 
 
 def guard(fn: Callable[..., Any]) -> Callable[..., Any]:

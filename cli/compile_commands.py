@@ -8,8 +8,8 @@ from typing import Any
 import click
 
 from aotc.cache.humanize import format_size
-from aotc.cli.options import json_option, trust_option, quiet_option
 from aotc.cli.common import AppContext, echo_err, guard, print_json
+from aotc.cli.options import json_option, quiet_option, trust_option
 
 
 def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:

@@ -9,8 +9,8 @@ from typing import Any
 import click
 
 from aotc.cache.humanize import format_size
-from aotc.cli.options import json_option, trust_option, quiet_option
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
+from aotc.cli.options import json_option, quiet_option, trust_option
 
 
 def _print(result: Any, as_json: bool, local: Path) -> None:
@@ -44,11 +44,10 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
     """Upload TARGET's entry (a manifest — its entry for this machine — or a stored key or
     unique prefix; default: every good entry) to the remote store. Blobs the remote has are
     not uploaded again; the entry's record is written last."""
+    from aotc.cache import CacheMiss, CorruptedCacheError
+    from aotc.fleet.sync import push_entry
     from aotc.lookup.explain import entry_key_for
     from aotc.progress import Progress
-    from aotc.fleet.sync import push_entry
-
-    from aotc.cache import CacheMiss, CorruptedCacheError
 
     remote = app.remote(url, required="push")
     store = app.store
@@ -91,16 +90,16 @@ def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str
     """Download TARGET's entry (a manifest — the remote entry it compiles to on this machine —
     or a remote key or unique prefix) into the local store, every blob verified first."""
     from aotc.cache import CacheMiss
-    from aotc.progress import Progress
     from aotc.fleet.sync import pull_entry, pull_for_manifest, remote_key_for
     from aotc.fleet.trust import trust_policy
+    from aotc.progress import Progress
 
     remote = app.remote(url, required="pull")
     store, trusted = app.writable_store, trust_policy(trust)
     progress = Progress(quiet=quiet or as_json)
     if Path(target).is_file():
-        from aotc.manifest import load_manifest
         from aotc.lookup.toolchain import machine_factors
+        from aotc.manifest import load_manifest
 
         m = load_manifest(target)
         machine = machine_factors(m.device, store.base / "toolchain")

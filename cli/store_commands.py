@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import sys
-
 from typing import Any
 
 import click
 
 from aotc.cache import maintenance
 from aotc.cache.humanize import format_size
-from aotc.cli.options import json_option, trust_option
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
+from aotc.cli.options import json_option, trust_option
 
 _COLUMNS = ("NAME", "KEY", "BLOBS", "PIECES", "SIZE", "ON DISK", "CREATED", "LAST USED", "HITS",
             "SHARED")
@@ -21,7 +20,7 @@ def _entry_table(entries: Any, verbose: bool, remote: bool = False) -> str:
     """The entries of a local or a remote scan (the same ``EntryInfo`` rows) as one table; a
     remote store keeps no last use or hits."""
     columns = (*_COLUMNS[:5], "ON REMOTE", "PUSHED") if remote else _COLUMNS
-    rows = [columns]
+    rows: list[tuple[str, ...]] = [columns]
     for e in entries:
         row = (e.name + (" [BAD]" if e.bad else ""), e.key if verbose else e.key_short,
                str(e.blob_count), "-" if e.pieces is None else str(e.pieces), e.size_str,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from aotc.cli.options import json_option
 from aotc.cli.common import AppContext, guard, pass_app, print_json
+from aotc.cli.options import json_option
 
 
 @click.command("keygen")
@@ -31,8 +31,8 @@ def keygen_command(app: AppContext, path: str) -> None:
 def sign_command(app: AppContext, keys: tuple[str, ...], key_file: str, sign_all: bool,
                  as_json: bool) -> None:
     """Sign stored entries (KEYS: keys or unique prefixes of >= 8 hex chars, or --all)."""
-    from aotc.lookup.explain import resolve_key
     from aotc.fleet.trust import sign_entry
+    from aotc.lookup.explain import resolve_key
 
     if not keys and not sign_all:
         raise click.UsageError("name the entries to sign (KEYS) or pass --all")

@@ -28,7 +28,7 @@ def _dynamo() -> Any:
 
 def dynamo_error() -> type[BaseException]:
     """Dynamo's own exception base (graph breaks, unsupported ops): ``except dynamo_error()``."""
-    return _dynamo().exc.TorchDynamoException  # type: ignore[no-any-return]
+    return _dynamo().exc.TorchDynamoException
 
 
 def is_restart(e: BaseException) -> bool:
@@ -121,7 +121,7 @@ def serializable_callable_base() -> type:
         from torch._dynamo.aot_compile_types import SerializableCallable
     except ImportError:
         return object
-    return SerializableCallable  # type: ignore[no-any-return]
+    return SerializableCallable
 
 
 @contextlib.contextmanager

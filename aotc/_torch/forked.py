@@ -60,6 +60,7 @@ def after_fork_in_child() -> None:
             setter(ctypes.c_int(0))
     from torch._inductor.async_compile import AsyncCompile
 
-    pool = getattr(AsyncCompile, "pool", None)
-    if hasattr(pool, "cache_clear"):
-        pool.cache_clear()
+    pool: object = getattr(AsyncCompile, "pool", None)
+    clear = getattr(pool, "cache_clear", None)
+    if clear is not None:
+        clear()

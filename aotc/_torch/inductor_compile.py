@@ -21,20 +21,20 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
 
-from aotc.counters import COUNTERS as _ours
-from aotc.errors import CompileError
 from aotc._torch import kernel_batch, kernel_checks, kernel_pool, wrapper
 from aotc._torch.dynamo import is_restart
 from aotc._torch.inductor_facts import _config_patch
-from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
-                                       kernel_files as _kernel_files)
+from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
+from aotc._torch.inductor_load import kernel_files as _kernel_files
 from aotc._torch.isa_probes import isa_probe_files, seed_isa_probes
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
+from aotc.counters import COUNTERS as _ours
+from aotc.errors import CompileError
 
 __all__ = ["CompiledPiece", "PendingPiece", "build_kernels", "compile_piece", "finish_piece",
            "piece_cache_key", "start_piece", "static_example_inputs"]
@@ -108,7 +108,6 @@ def _is_symbolic(v: Any) -> bool:
 def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: str) -> str:
     """sha256 of the graph's structure (node names dropped) + input metadata + ``torch_key``."""
     import sympy
-
     from torch._inductor.codecache import torch_key
 
     idx: dict[torch.fx.Node, int] = {}
@@ -211,7 +210,7 @@ class PendingPiece:
     key: str
     tmp: Path
     art: Any
-    seeded: list[str]
+    seeded: set[str]
     probes: dict[str, Path]
     pool: Path | None
     real: dict[int, Any]
@@ -296,9 +295,9 @@ def start_piece(
     artifact = out_dir / "artifact.bin"
     dynamic = size is None
     real = dict(real_inputs or {})
-    inputs = (list(example_inputs) if dynamic
+    inputs = (list(example_inputs) if size is None
               else [real.get(i, v) for i, v in enumerate(static_example_inputs(example_inputs, size))])
-    mode = "from_graph" if dynamic else "from_example_inputs"
+    mode: Literal["from_graph", "from_example_inputs"] = "from_graph" if dynamic else "from_example_inputs"
     t0 = t_key = time.perf_counter()
     if key is None:
         key = piece_cache_key(gm, inputs, dynamic, options=options)

@@ -120,8 +120,7 @@ def _vec_isa() -> str | None:
     2-core Xeon: ``VecAMX`` builds a test program even with ``cpp.vec_isa_ok``). On x86 the flags
     Inductor's own checker reads (AMX only with the kernel's permission); elsewhere Inductor's
     pick with the probe off. What the compiler can build is in the ``cxx`` and ``march`` factors."""
-    from torch._inductor import config
-    from torch._inductor import cpu_vec_isa
+    from torch._inductor import config, cpu_vec_isa
 
     checker = getattr(cpu_vec_isa, "x86_isa_checker", None)
     if platform.machine() in ("x86_64", "AMD64") and checker is not None:
@@ -150,7 +149,7 @@ def _toolchain(device: str) -> dict[str, Any]:
         from torch._inductor.cpp_builder import get_cpp_compiler
 
         cxx = get_cpp_compiler()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - code we do not own fails in many ways; each is turned into one of ours
         cxx = os.environ.get("CXX", "g++")
     factors: dict[str, Any] = {
         "torch": torch.__version__,

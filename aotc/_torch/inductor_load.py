@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from aotc.counters import COUNTERS as _ours
-from aotc.errors import LoadError
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.kernel_checks import guarded_kernel_sources
 from aotc._torch.scoped_env import scoped_env
+from aotc.counters import COUNTERS as _ours
+from aotc.errors import LoadError
 
 __all__ = ["in_process_isa_probes", "inductor_cache_dir", "kernel_files", "load_piece", "load_pieces"]
 
@@ -104,11 +104,11 @@ def in_process_isa_probes() -> Iterator[None]:
             return False
         return True
 
-    VecISA._probe_load = probe  # type: ignore[method-assign]
+    VecISA._probe_load = probe  # type: ignore[method-assign]  # patched for the block, put back after it
     try:
         yield
     finally:
-        VecISA._probe_load = original  # type: ignore[method-assign]
+        VecISA._probe_load = original  # type: ignore[method-assign]  # patched for the block, put back after it
 
 
 # where a load's kernel builds would find the precompiled header: nowhere (see _no_header_builds)
@@ -131,11 +131,11 @@ def _no_header_builds() -> Iterator[None]:
     if original is None:
         yield
         return
-    codecache._precompile_header = lambda *args, **kwargs: _NO_HEADER  # type: ignore[attr-defined]
+    setattr(codecache, "_precompile_header", lambda *args, **kwargs: _NO_HEADER)  # noqa: B010 - a private name torch may not have: set by name
     try:
         yield
     finally:
-        codecache._precompile_header = original  # type: ignore[attr-defined]
+        setattr(codecache, "_precompile_header", original)  # noqa: B010 - a private name torch may not have: set by name
 
 
 def load_pieces(
@@ -155,7 +155,7 @@ def load_pieces(
                 raise LoadError(f"{artifact_file}: compiled artifact missing")
             try:
                 art = torch._inductor.CompiledArtifact.load(path=str(artifact_file), format="binary")
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - code we do not own fails in many ways; each is turned into one of ours
                 raise LoadError(f"{artifact_file}: cannot load compiled artifact ({type(e).__name__}: "
                                 f"{e}); it was built by another torch build (torch_key) or is "
                                 "damaged — recompile it") from e
@@ -169,5 +169,5 @@ def _normalized(art: Any) -> Callable[..., list[torch.Tensor]]:
         res = art(*args)
         return list(res) if isinstance(res, (list, tuple)) else [res]
 
-    run.artifact = art  # type: ignore[attr-defined]
+    run.artifact = art  # type: ignore[attr-defined]  # the loaded artifact, kept on the function for callers that want it
     return run

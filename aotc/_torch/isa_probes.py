@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from aotc._torch.inductor_facts import _config_patch
-from aotc._torch.inductor_load import (in_process_isa_probes, inductor_cache_dir,
-                                       kernel_files as _kernel_files)
+from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
+from aotc._torch.inductor_load import kernel_files as _kernel_files
 
 __all__ = ["isa_probe_files", "keep_isa_probes", "machine_isa_probe_dir",
            "seed_isa_probes"]

@@ -141,7 +141,7 @@ class _Held:
 
 def _builder_of(worker_fn: Any) -> tuple[str, Any] | None:
     """(lock path, the one CppBuilder) of Inductor's ``partial(_worker_compile_cpp, lock, (b,))``."""
-    args = getattr(worker_fn, "args", ())
+    args: tuple[Any, ...] = tuple(getattr(worker_fn, "args", ()))
     if len(args) == 2 and isinstance(args[1], tuple) and len(args[1]) == 1:
         return args[0], args[1][0]
     return None
@@ -246,9 +246,10 @@ class _Lazy:
         self._get, self._fn = get_result, None
 
     def __call__(self, *args: Any) -> Any:
-        if self._fn is None:
-            self._fn = self._get()
-        return self._fn(*args)
+        fn = self._fn
+        if fn is None:
+            fn = self._fn = self._get()
+        return fn(*args)
 
 
 @contextlib.contextmanager
@@ -279,10 +280,10 @@ def batched_builds(batch: KernelBatch | None = None) -> Iterator[None]:
             return LambdaFuture(get_result)  # the module waits for it
         return _Lazy(get_result)  # no thread pool (vLLM sets 1): resolved at its first call
 
-    AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
+    AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]  # patched for the block, put back after it
     try:
         yield
     finally:
-        AsyncCompile.cpp_pybinding = original  # type: ignore[method-assign]
+        AsyncCompile.cpp_pybinding = original  # type: ignore[method-assign]  # patched for the block, put back after it
     if not held_by_caller:
         batch.build()  # what is still held (without a thread pool: all of it) is built now

@@ -208,8 +208,8 @@ def guarded_kernel_sources() -> Iterator[None]:
     def cpp_pybinding(self: Any, argtypes: Any, source_code: str, *rest: Any, **kw: Any) -> Any:
         return original(self, argtypes, guard_checks(source_code), *rest, **kw)
 
-    AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]
+    AsyncCompile.cpp_pybinding = cpp_pybinding  # type: ignore[method-assign]  # patched for the block, put back after it
     try:
         yield
     finally:
-        AsyncCompile.cpp_pybinding = original  # type: ignore[method-assign]
+        AsyncCompile.cpp_pybinding = original  # type: ignore[method-assign]  # patched for the block, put back after it

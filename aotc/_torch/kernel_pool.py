@@ -2,9 +2,10 @@
 (or two sizes) have in common is built once: part of the fence around ``torch._inductor``.
 
 Inductor names a C++ kernel's library after the hash of its source and build command
-(``<cache dir>/<xx>/<key>.main.so``; only such files are pooled, not the ISA probes) and runs the compiler only when no file is at that path
-(``codecache._worker_compile_cpp``; written for torch 2.11–2.13, tested on 2.13.0 CPU). Each compile runs in its own scoped cache
-dir (:mod:`aotc._torch.inductor_compile`), so without the pool every piece rebuilt the kernels it
+(``<cache dir>/<xx>/<key>.main.so``; only such files are pooled, not the ISA probes) and runs the
+compiler only when no file is at that path (``codecache._worker_compile_cpp``; written for torch
+2.11–2.13, tested on 2.13.0 CPU). Each compile runs in its own scoped cache dir
+(:mod:`aotc._torch.inductor_compile`), so without the pool every piece rebuilt the kernels it
 shares with the others: 12 of 48 kernel builds of an 8-layer toy Llama at 5 compile sizes.
 
 :func:`seed` links the pool's libraries into a compile's cache dir *without* their sources;

@@ -36,7 +36,7 @@ def op_schema(target: Any) -> str:
 def mutated_args(node: torch.fx.Node) -> list[Any]:
     """The argument values (nodes or constants) a ``call_function`` of an op writes in place,
     from its schema's alias annotations (``Tensor(a!)``); [] for anything else."""
-    t = node.target
+    t: Any = node.target
     if isinstance(t, torch._ops.OpOverloadPacket):
         t = getattr(t, "default", None)
     if not isinstance(t, torch._ops.OpOverload):
@@ -77,7 +77,7 @@ def undefined_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
         if v.op == "call_method" and target in _EMPTY_METHODS:
             found.add(i)
         elif v.op == "call_function":
-            name = op_name(target) or getattr(target, "__name__", "")
+            name = op_name(target) or str(getattr(target, "__name__", ""))
             if name.split("::")[-1].split(".")[0] in _EMPTY_FUNCTIONS:
                 found.add(i)
     return frozenset(found)

@@ -177,8 +177,11 @@ def extract(cache_dir: Path, kernel_files: Sequence[str]) -> WrapperCode:
         raise Unsupported("Inductor's buffer alignment differs from the shim's")
     externs = {n: _public_path(getattr(extern_kernels, n), n) for n in extern_names}
     calls: list[tuple[list[str], str]] = []
-    _exec(source, _shims(lambda argtypes, src: calls.append((list(argtypes), src)) or _never,
-                         externs))
+    def record(argtypes: Sequence[str], src: str) -> Any:
+        calls.append((list(argtypes), src))
+        return _never
+
+    _exec(source, _shims(record, externs))
     cpp = {rel: (cache_dir / rel).with_suffix(".cpp") for rel in kernel_files if rel.endswith(".so")}
     texts = {rel: p.read_text(encoding="utf-8", errors="replace") for rel, p in cpp.items() if p.is_file()}
     kernels: dict[str, str] = {}
@@ -256,7 +259,8 @@ def _load_kernel_library(path: Path, digest: str) -> Callable[..., Any]:
     with scoped_env(**({_DATA_PTR_ENV: str(hook)} if hook is not None else {})):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    return module.kernel  # type: ignore[no-any-return]
+    kernel: Callable[..., Any] = module.kernel
+    return kernel
 
 
 def load(code: WrapperCode, kernel_root: Path) -> Callable[..., list[torch.Tensor]]:

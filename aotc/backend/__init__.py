@@ -20,7 +20,8 @@ import sys
 import time
 import types
 import warnings
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
 
@@ -105,6 +106,8 @@ class AotcBackend:
 
     def _serve(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
                settings: Any) -> Any:
+        import torch
+
         from aotc._torch import dynamo
         from aotc.backend.compiled import AotcCompiled, load_graph_program
         from aotc.cache import CacheMiss, StoreReadOnlyError
@@ -112,8 +115,6 @@ class AotcBackend:
         from aotc.fleet.trust import trust_policy
         from aotc.lookup.stores import open_store, split_store
         from aotc.progress import Progress
-
-        import torch
 
         t0 = time.perf_counter()
         trusted = trust_policy(cfg.trust, settings)

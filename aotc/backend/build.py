@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -29,13 +30,12 @@ from aotc.cache import workdirs
 from aotc.compile.pieces import piece_records, piece_uid
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import SplitResult, split
-from aotc.compile.workers import (artifact_files, compile_tasks, discard, merge_kernels,
-                                  note_check_failed)
+from aotc.compile.workers import artifact_files, compile_tasks, discard, merge_kernels, note_check_failed
 from aotc.errors import AotcError, NumericMismatchError
+from aotc.lookup.toolchain import fingerprint
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
 from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot
-from aotc.lookup.toolchain import fingerprint
 from aotc.runtime.checking import flat_tensors, same, tensor_errors
 from aotc.runtime.graphcall import GraphRunner
 from aotc.runtime.rehydrate import rehydrate

@@ -94,7 +94,7 @@ def _location(store: Any) -> str | None:
     return str(Path(text).expanduser().resolve())
 
 
-class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]
+class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  # the base class is torch's, found at run time
     """The stitched program of one graph, by store key (module doc). ``runner`` is None until
     loaded; ``store``/``remote``/``trust``: what the backend was given explicitly (None: the
     settings of the process that loads it)."""
@@ -145,7 +145,7 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]
         return {"key": self.key, "store": self.store, "remote": self.remote, "trust": self.trust}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["key"], store=state["store"], remote=state["remote"],  # type: ignore[misc]
+        self.__init__(state["key"], store=state["store"], remote=state["remote"],  # type: ignore[misc]  # re-initialised in place: unpickling by reference
                       trust=tuple(state["trust"]))
 
     def __repr__(self) -> str:

@@ -5,8 +5,9 @@ the settings (``AOTC_STORE``, ``AOTC_REMOTE``, ``AOTC_TRUST_KEYS``, ``AOTC_SPLIT
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from aotc.errors import BackendError
 from aotc.settings import Settings
@@ -116,7 +117,8 @@ class BackendConfig:
         if tolerance is not None:
             try:
                 if isinstance(tolerance, dict):
-                    atol, rtol = float(tolerance["atol"]), float(tolerance.get("rtol", tolerance["atol"]))
+                    atol = float(tolerance["atol"])
+                    rtol = float(tolerance["rtol"] if "rtol" in tolerance else atol)
                 elif isinstance(tolerance, (tuple, list)):
                     atol, rtol = float(tolerance[0]), float(tolerance[1])
                 else:
@@ -133,9 +135,9 @@ class BackendConfig:
         patches, graphs = mode_patches(mode, "aotc.backend(mode=…)")
         if fallback is not None:
             fallback = fallback_policy(fallback, "aotc.backend(fallback=…)")
-        return cls(store=store, remote=remote, trust=trust,
-                   splitting_ops=None if splitting_ops is None else _ops(splitting_ops, "aotc.backend(splitting_ops=…)"),
-                   compile_sizes=None if compile_sizes is None else _sizes(compile_sizes, "aotc.backend(compile_sizes=…)"),
+        ops = None if splitting_ops is None else _ops(splitting_ops, "aotc.backend(splitting_ops=…)")
+        sizes = None if compile_sizes is None else _sizes(compile_sizes, "aotc.backend(compile_sizes=…)")
+        return cls(store=store, remote=remote, trust=trust, splitting_ops=ops, compile_sizes=sizes,
                    atol=atol, rtol=rtol, tolerance_set=tolerance is not None,
                    inductor={**patches, **(DEFAULT_INDUCTOR if inductor is None else inductor)},
                    name=name or "torch.compile", mode=mode, graphs=graphs, fallback=fallback)

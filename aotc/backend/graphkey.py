@@ -22,7 +22,8 @@ import hashlib
 import math
 import operator
 import types
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -171,7 +172,8 @@ def _graph_lines(gm: torch.fx.GraphModule, canon: _Canon, examples: Sequence[Any
             placeholders += 1
             lines.append(["placeholder", canon.placeholder(node, ex)])
             continue
-        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _NodeRef(index[n]))
+        args = torch.fx.node.map_arg((node.args, node.kwargs),
+                                     lambda n: _NodeRef(index[n]))  # type: ignore[arg-type,return-value]  # a stand-in, never run
         entry: list[Any] = [node.op, canon.target(node), _refs(args, canon, node.name)]
         if node.op == "get_attr":
             entry.append(_attr(gm, str(node.target), canon, depth))

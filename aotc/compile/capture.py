@@ -37,9 +37,9 @@ from typing import Any, Literal
 import torch
 import torch.fx
 
+from aotc._torch import dynamo
 from aotc.counters import COUNTERS
 from aotc.errors import CaptureError
-from aotc._torch import dynamo
 from aotc.model.state import named_tensors
 
 __all__ = ["ArgSlot", "Captured", "capture", "graph_args"]
@@ -177,7 +177,7 @@ def _arg_spec(
     sym_source: dict[Any, tuple[int, int]] = {}
     for node, ex in zip(placeholders, example_inputs):
         slot = by_id.get(id(ex))
-        if slot is not None and slot.kind == "input":
+        if slot is not None and slot.kind == "input" and slot.index is not None:
             fake = node.meta.get("example_value")
             for d, size in enumerate(getattr(fake, "shape", ())):
                 if isinstance(size, torch.SymInt):
@@ -242,7 +242,7 @@ def _is_data_dependent(e: BaseException) -> bool:
     while e is not None:
         if "data-dependent" in str(e) or type(e).__name__ == "GuardOnDataDependentSymNode":
             return True
-        e = e.__cause__  # type: ignore[assignment]
+        e = e.__cause__  # type: ignore[assignment]  # walking the cause chain
     return False
 
 
@@ -352,9 +352,9 @@ def graph_args(
     args: list[Any] = []
     for slot in arg_spec:
         if slot.kind in ("param", "buffer"):
-            args.append(state[slot.fqn])  # type: ignore[index]
+            args.append(state[slot.fqn])  # type: ignore[index]  # a slot of this kind always has fqn / index / dim
         elif slot.kind == "input":
-            args.append(inputs[slot.index])  # type: ignore[index]
+            args.append(inputs[slot.index])  # type: ignore[index]  # a slot of this kind always has fqn / index / dim
         else:
-            args.append(int(inputs[slot.index].shape[slot.dim]))  # type: ignore[index]
+            args.append(int(inputs[slot.index].shape[slot.dim]))  # type: ignore[index]  # a slot of this kind always has fqn / index / dim
     return args

@@ -17,25 +17,33 @@ from typing import Any
 
 from aotc._torch import header_build, inductor_compile, isa_probes
 from aotc.cache import StoreReadOnlyError, workdirs
-from aotc.runtime.checking import compare_runs
+from aotc.compile.pieces import piece_records, trace_and_split
+from aotc.compile.reuse import seed_from_store
+from aotc.compile.workers import (
+    artifact_files,
+    compile_tasks,
+    discard,
+    kernel_builds,
+    merge_kernels,
+    note_check_failed,
+    profile,
+    resumed_from,
+)
+from aotc.errors import AotcError, NumericMismatchError
+from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
+from aotc.lookup.stores import as_manifest, open_store
+from aotc.lookup.toolchain import fingerprint, machine_factors
+from aotc.manifest import Manifest
 from aotc.model.build import make_inputs
 from aotc.model.forward import unwrap
 from aotc.model.state import named_buffers, named_tensors
-from aotc.errors import AotcError, NumericMismatchError
+from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
 from aotc.records.key import compute_key
-from aotc.manifest import Manifest
-from aotc.lookup.stores import as_manifest, open_store
 from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot
-from aotc.progress import Progress
-from aotc.lookup.toolchain import fingerprint, machine_factors
-from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
-from aotc.runtime.runner import Runner
+from aotc.runtime.checking import compare_runs
 from aotc.runtime.rehydrate import rehydrate
-from aotc.compile.workers import (artifact_files, compile_tasks, discard, kernel_builds,
-                                  merge_kernels, note_check_failed, profile, resumed_from)
-from aotc.compile.pieces import piece_records, trace_and_split
-from aotc.compile.reuse import seed_from_store
+from aotc.runtime.runner import Runner
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from aotc.errors import SplitError
 from aotc._torch.ops import op_name
+from aotc.errors import SplitError
 
 __all__ = ["Piece", "SplitResult", "node_op_names", "split", "splitting_op_of"]
 
@@ -142,7 +142,7 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
     if "tuple_return" in inspect.signature(split_module).parameters:
         kwargs["tuple_return"] = True  # every piece returns a tuple, as compile_fx expects
     try:
-        stitch = split_module(gm, None, lambda n: part_of[n], **kwargs)
+        stitch = split_module(gm, None, lambda n: part_of[n], **kwargs)  # type: ignore[arg-type]  # torch accepts None: no root module to copy attributes from
     except Exception as e:  # noqa: BLE001 - split_module raises assorted errors
         raise SplitError(f"torch.fx split_module failed on the captured graph: {e}") from e
 

@@ -23,17 +23,17 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 from aotc._torch import forked, inductor_compile, kernel_batch
-from aotc.errors import CompileError
 from aotc.compile.forked_workers import ForkedWorker, TaskQueue
+from aotc.compile.split import Piece
+from aotc.errors import CompileError
 from aotc.manifest import Manifest
 from aotc.progress import Progress
-from aotc.compile.split import Piece
 
 Task = tuple[str, "int | None"]
 

@@ -26,11 +26,11 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from aotc.records.jsonable import FieldsAsJson
-from aotc.errors import BundleError
 from aotc.cache import Store, blobio
-from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
+from aotc.errors import BundleError
 from aotc.fleet.trust import enforce_payload, valid_signatures
+from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
+from aotc.records.jsonable import FieldsAsJson
 
 RECORD = "aotc-bundle.json"
 MAX_RECORD = 16 << 20
@@ -166,7 +166,7 @@ def _stage(store: Store, tar: tarfile.TarFile, member: tarfile.TarInfo, digest: 
     blobs (``blobio.stream_blob``: bounded by ``size``, hashed); the file is the input of
     ``Store.put``."""
     try:
-        return stage_verified(store, tar.extractfile(member), digest, size)  # type: ignore[arg-type]
+        return stage_verified(store, tar.extractfile(member), digest, size)  # type: ignore[arg-type]  # a regular member: extractfile gives a stream
     except blobio.BlobCorrupt as e:
         raise BundleError(f"{where}: blob {digest[:16]}… refused ({e}): tampered or damaged; "
                           "nothing was imported") from None

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
-from aotc.errors import RemoteError, MissingObject, OversizedObject
+from aotc.errors import MissingObject, OversizedObject, RemoteError
 from aotc.settings import ENV, Settings, current, is_remote_url  # noqa: F401 - is_remote_url: re-exported
 
 ENDPOINT_ENV = ENV["s3_endpoint"]  # for messages: the variable is read in aotc.settings
@@ -192,7 +193,7 @@ class S3Remote:
         if if_absent:
             for attempt in range(5):
                 if hasattr(body, "seek"):
-                    body.seek(0)  # type: ignore[union-attr]
+                    body.seek(0)
                 try:
                     self.client.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
                     return True
@@ -212,7 +213,7 @@ class S3Remote:
             if self.head(name) is not None:
                 return False
             if hasattr(body, "seek"):
-                body.seek(0)  # type: ignore[union-attr]
+                body.seek(0)
         self._call(f"PUT {name}", self.client.put_object, **kwargs)
         return True
 

@@ -154,9 +154,9 @@ def _check_blob(remote: S3Remote, digest: str, size: int, stored_size: int,
         return f"is damaged ({length} bytes on the server, its record says {stored_size})"
     report.bytes_checked += length
     try:
-        blobio.hash_blob(body, digest, size)  # type: ignore[arg-type]
+        blobio.hash_blob(body, digest, size)
     except blobio.BlobCorrupt as e:
         return f"is damaged ({e})"
-    except (OSError, *remote.errors) as e:
+    except (OSError, *remote.errors) as e:  # type: ignore[misc]  # boto's classes, known at run time
         raise RemoteError(f"{remote.url}: download of blob {digest[:16]}… broke off ({e})") from None
     return None

@@ -17,18 +17,18 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from aotc.records.jsonable import FieldsAsJson
-from aotc.errors import DamagedRemoteEntry
 from aotc.cache import CacheMiss, Entry, Store, blobio
-from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
-from aotc.progress import Progress
+from aotc.errors import DamagedRemoteEntry
 from aotc.fleet.remote import MissingObject, OversizedObject, RemoteError, S3Remote
 from aotc.fleet.trust import enforce_payload, valid_signatures
-
+from aotc.progress import Progress
+from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
+from aotc.records.jsonable import FieldsAsJson
 
 MAX_SIGNERS = 64
 TRANSFER_THREADS = 8
@@ -172,7 +172,7 @@ def _parallel(fn: Callable[[str], Any], items: list[str]) -> list[Any]:
             f.cancel()
     for f in futures:
         if not f.cancelled() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
+            raise f.exception()  # type: ignore[misc]  # the future has failed: exception() is an exception
     return [f.result() for f in futures]
 
 
@@ -203,7 +203,7 @@ class _Counting:
     def close(self) -> None:
         self.raw.close()
 
-    def __enter__(self) -> "_Counting":
+    def __enter__(self) -> _Counting:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -286,7 +286,7 @@ def _download(remote: S3Remote, store: Store, digest: str, size: int, stored_siz
         if length > stored_size:
             body.close()
             raise blobio.BlobCorrupt(f"{length} bytes on the server, its record says {stored_size}")
-        return stage_verified(store, _Counting(body, on_bytes, stored_size), digest, size)
+        return stage_verified(store, _Counting(body, on_bytes, stored_size), digest, size)  # type: ignore[arg-type]  # reads like a file
     except blobio.BlobCorrupt as e:
         raise RemoteError(f"{where}: blob {digest[:16]}… is damaged ({e}); refused, nothing was "
                           "pulled; re-push it with `aotc push --force` from a good store") from None
@@ -328,9 +328,9 @@ def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any],
     recorded source files still hash the same here. None when there is none; the damage found
     (``DamagedRemoteEntry``) when the only candidates are damaged. Under a trust policy a
     candidate's signatures are checked before its source paths are looked at."""
-    from aotc.records.key import compute_key
-    from aotc.lookup.resolve import base_factors, sources_unchanged
     from aotc.fleet.trust import payload_state
+    from aotc.lookup.resolve import base_factors, sources_unchanged
+    from aotc.records.key import compute_key
 
     base = base_factors(manifest, machine)
     probe = compute_key(base)

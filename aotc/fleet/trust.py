@@ -16,13 +16,13 @@ verification, and one well-maintained implementation in ``cryptography``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from aotc.errors import TrustError
-from aotc.settings import ENV, Settings, current
 from aotc.cache import Entry, Store
-from aotc.errors import AotcError
+from aotc.errors import AotcError, TrustError
+from aotc.settings import ENV, Settings, current
 
 TRUST_ENV = ENV["trust_keys"]  # for messages: the variable is read in aotc.settings
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aotc.cache import Store
-from aotc.manifest import Manifest, load_manifest
-from aotc.lookup.toolchain import machine_factors
 from aotc.lookup.resolve import resolve
+from aotc.lookup.toolchain import machine_factors
+from aotc.manifest import Manifest, load_manifest
 
 
 def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str, Any]:

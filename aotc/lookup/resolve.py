@@ -10,8 +10,8 @@ unchanged (its full key recomputed from the current hashes must equal its stored
 from __future__ import annotations
 
 import hashlib
-import json
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -20,11 +20,11 @@ from typing import Any
 
 from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
 from aotc.counters import COUNTERS
-from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
-from aotc.manifest import Manifest, thaw
 from aotc.lookup.compile_logic import compile_logic_hash
 from aotc.lookup.filehash import file_sha256
 from aotc.lookup.toolchain import codegen_env
+from aotc.manifest import Manifest, thaw
+from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 
 
 def inductor_factors(patches: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
@@ -190,10 +190,10 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
         if newest_miss is None:
             newest_miss = (cand, tuple(explain(cand.factors, current)))
     if newest_miss is not None:
-        cand, diffs = newest_miss
+        cand, cand_diffs = newest_miss
         if record:
-            store.record_miss(cand.key, "; ".join(d.describe() for d in diffs)[:500])
-        return Resolution(probe, None, cand, diffs, corrupt)
+            store.record_miss(cand.key, "; ".join(d.describe() for d in cand_diffs)[:500])
+        return Resolution(probe, None, cand, cand_diffs, corrupt)
     # No entry with the same probe: diff against the newest entry of the same name, if any.
     same_name = store.newest_key_named(manifest.name)
     closest = None

@@ -5,8 +5,8 @@ The memo is a JSON file under ``<store>/store-v1/toolchain/`` named by a fingerp
 input the factors are derived from: interpreter, torch's install (version, path, mtimes of the
 files ``torch_key`` hashes change with), triton's install, the C++ compiler binary, the CPU's
 model and flags, the code-changing TORCHINDUCTOR_* variables (not the host name: replicas of
-one image share a memo, and everything the facts depend on is in the fingerprint). Any change gives a new fingerprint and
-the factors are computed afresh; a CUDA device's GPU fields are always read live.
+one image share a memo, and everything the facts depend on is in the fingerprint). Any change
+gives a new fingerprint and the factors are computed afresh; a CUDA device's GPU fields are always read live.
 """
 
 from __future__ import annotations

@@ -20,8 +20,21 @@ from typing import Any
 
 from aotc.errors import ManifestError
 from aotc.manifest.schema import (  # noqa: F401 - the package's public names
-    CUDAGRAPH_MODES, DEFAULT_TOLERANCE, DEVICES, DTYPES, FILLS, INPUT_DTYPES, TOKENS, FrozenMap,
-    HFSpec, InputSpec, Manifest, ModelSpec, Tolerance, _REVALIDATE, thaw,
+    _REVALIDATE,
+    CUDAGRAPH_MODES,
+    DEFAULT_TOLERANCE,
+    DEVICES,
+    DTYPES,
+    FILLS,
+    INPUT_DTYPES,
+    TOKENS,
+    FrozenMap,
+    HFSpec,
+    InputSpec,
+    Manifest,
+    ModelSpec,
+    Tolerance,
+    thaw,
 )
 from aotc.manifest.validate import Invalid, validate
 from aotc.manifest.yamlio import load_yaml
@@ -65,7 +78,7 @@ def read_manifest_yaml(path: str | os.PathLike[str]) -> Any:
         raise ManifestError(file, "", f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         why = {errno.ENOENT: "no such file", errno.EISDIR: "is a directory"}.get(
-            e.errno, f"cannot read it: {e.strerror}")
+            e.errno or 0, f"cannot read it: {e.strerror}")
         raise ManifestError(file, "", f"{why}; pass the path of a model.yaml manifest") from None
     return load_yaml(text, file)
 

@@ -13,8 +13,23 @@ from pathlib import Path
 from typing import Any
 
 from aotc.manifest.schema import (
-    CUDAGRAPH_MODES, DEFAULT_TOLERANCE, DEVICES, DOTTED_RE, DTYPES, FILLS, IDENT_RE, INPUT_DTYPES,
-    NAME_RE, OP_RE, PICKLE_SUFFIXES, TOKENS, FrozenMap, HFSpec, InputSpec, Manifest, ModelSpec,
+    CUDAGRAPH_MODES,
+    DEFAULT_TOLERANCE,
+    DEVICES,
+    DOTTED_RE,
+    DTYPES,
+    FILLS,
+    IDENT_RE,
+    INPUT_DTYPES,
+    NAME_RE,
+    OP_RE,
+    PICKLE_SUFFIXES,
+    TOKENS,
+    FrozenMap,
+    HFSpec,
+    InputSpec,
+    Manifest,
+    ModelSpec,
     Tolerance,
 )
 

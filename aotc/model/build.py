@@ -10,14 +10,15 @@ import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from aotc.errors import ManifestError, ModelBuildError
-from aotc.model.forward import ByName, unwrap
 from aotc.manifest import InputSpec, Manifest, factory_path, thaw
+from aotc.model.forward import ByName, unwrap
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
@@ -48,7 +49,7 @@ def _import_factory(manifest: Manifest) -> Callable[..., Any]:
     else:
         try:
             module = importlib.import_module(str(m.factory_module))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - code we do not own fails in many ways; each is turned into one of ours
             raise ModelBuildError(
                 f"{where}: cannot import module {m.factory_module!r} ({type(e).__name__}: {e}); "
                 "check the name and that its package is installed"
@@ -94,7 +95,7 @@ def _build_hf(manifest: Manifest) -> torch.nn.Module:
                                         local_files_only=True, **kw)
         else:
             model = cls._from_config(config, **kw)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - code we do not own fails in many ways; each is turned into one of ours
         raise ModelBuildError(f"{where}: building {hf.architecture} failed: {type(e).__name__}: {e}") from e
     return model
 
@@ -134,6 +135,7 @@ def by_name(model: torch.nn.Module, manifest: Manifest) -> ByName:
     """``model`` (the user's module, or one already wrapped) called as the manifest declares;
     an input name its forward has no parameter for is a ``ManifestError`` naming both."""
     inner = unwrap(model)
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(inner.forward).parameters
     except (TypeError, ValueError):  # a builtin forward: nothing to check against
@@ -163,7 +165,7 @@ def build_model(manifest: Manifest) -> torch.nn.Module:
             torch.manual_seed(m.seed)
             try:
                 model = factory(**thaw(m.kwargs))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - code we do not own fails in many ways; each is turned into one of ours
                 raise ModelBuildError(
                     f"{_where(manifest)}: model.factory: {m.factory}(**kwargs) raised "
                     f"{type(e).__name__}: {e}"

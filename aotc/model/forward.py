@@ -5,8 +5,8 @@ This file is traced with every model (it is in the ``code`` key factor), so it i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -37,7 +37,7 @@ def pick_output(out: Any, output: str | int | Sequence[str | int] | None) -> Any
         return tuple(pick_output(out, o) for o in output)
     if isinstance(output, int) or isinstance(out, Mapping):  # a dict / ModelOutput: by key
         return out[output]
-    return getattr(out, output)
+    return getattr(out, str(output))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,7 +9,7 @@ __all__ = ["named_buffers", "named_tensors"]
 
 def named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` by name, shared ones under each of their names."""
-    state = dict(model.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(named_buffers(model))
     return state
 

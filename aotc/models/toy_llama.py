@@ -7,6 +7,8 @@ per layer at which :mod:`aotc.compile.split` cuts the graph. Inputs are a flatte
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -37,7 +39,7 @@ def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _register() -> object:
+def _register() -> Any:
     """Register ``aotc::attention`` once per process (re-import / ``importlib.reload`` safe)."""
     ns, name = _OP_NAME.split("::")
     try:
@@ -75,7 +77,8 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]  # a registered buffer
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         return emb.cos(), emb.sin()
 

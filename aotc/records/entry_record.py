@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 from aotc.cache import Entry, Store, blobio
 from aotc.cache.store import BlobRef

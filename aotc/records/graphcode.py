@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import importlib
 import operator
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.fx
 
-from aotc.errors import CompileError, LoadError
 from aotc._torch.ops import op_name
+from aotc.errors import CompileError, LoadError
 
 Encoded = dict[str, Any]
 
@@ -135,17 +136,17 @@ def _compile_arg(a: Any) -> tuple[bool, _Getter]:
                 parts = [_compile_arg(x) for x in a[tag]]
                 if all(c for c, _ in parts):
                     value = build([g({}) for _, g in parts])
-                    return True, lambda env: value
+                    return True, lambda env: value  # noqa: B023 - returned at once: no later binding
                 getters = [g for _, g in parts]
-                return False, lambda env: build([g(env) for g in getters])
+                return False, lambda env: build([g(env) for g in getters])  # noqa: B023 - as above
         if "$dict" in a:
             items = [(k, _compile_arg(v)[1]) for k, v in a["$dict"].items()]
             return False, lambda env: {k: g(env) for k, g in items}
         for tag, make in (("$dtype", lambda v: getattr(torch, v)), ("$device", torch.device),
                           ("$memory_format", lambda v: getattr(torch, v))):
             if tag in a:
-                value = make(a[tag])
-                return True, lambda env: value
+                made: Any = make(a[tag])
+                return True, lambda env: made  # noqa: B023 - returned at once: no later binding
     if isinstance(a, list):
         parts = [_compile_arg(x) for x in a]
         getters = [g for _, g in parts]

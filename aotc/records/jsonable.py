@@ -11,4 +11,4 @@ class FieldsAsJson:
 
     def to_json(self) -> dict[str, Any]:
         """The record's fields as a JSON-able dict."""
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)  # type: ignore[call-overload]  # mixed into dataclasses only

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 FORMAT_VERSION = 2  # bump when the Program record or the artifact layout changes
 

@@ -8,10 +8,10 @@ as outputs too, and the snapshot is restored afterwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 

@@ -89,7 +89,7 @@ class GraphSet:
     asks :meth:`serves` / :meth:`run` per call, and the runner's compiled pieces go through
     :meth:`piece` (its ``piece_hook``)."""
 
-    def __init__(self, runner: Runner, mode: str, graph_cls: type = CudaGraph) -> None:
+    def __init__(self, runner: Runner, mode: str, graph_cls: type[CudaGraph] = CudaGraph) -> None:
         if mode not in MODES or mode == "none":
             raise LoadError(f"cudagraph mode {mode!r}: expected piecewise or full")
         self.runner, self.mode, self.graph_cls = runner, mode, graph_cls

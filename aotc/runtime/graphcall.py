@@ -11,7 +11,8 @@ call only when every symbol equals that size; any other call runs the dynamic ar
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -62,8 +63,8 @@ class GraphRunner:
             else:
                 call = SplittingCall(GraphProgram(p.graph or {"nodes": []}))
                 self._modules[p.name] = _HookedSplitting(self, p.name, call)
-        self._symbols = [int(s.index) for s in program.slots if s.kind == "symbol"]  # type: ignore[arg-type]
-        dims = [(int(s.index), int(s.dim)) for s in program.slots  # type: ignore[arg-type]
+        self._symbols = [int(s.index) for s in program.slots if s.kind == "symbol"]  # type: ignore[arg-type]  # a slot of this kind always has index (and dim)
+        dims = [(int(s.index), int(s.dim)) for s in program.slots  # type: ignore[arg-type]  # a slot of this kind always has index (and dim)
                 if s.kind == "input" and s.dim is not None]
         self._token_dim = dims[0] if dims else None
         self.sizes = frozenset(program.compile_sizes)

@@ -16,29 +16,37 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aotc.model.build import build_model
 from aotc.cache import CacheMiss, Entry, Store, StoreReadOnlyError
-from aotc.lookup.stores import as_manifest, open_store, split_store
 from aotc.errors import LoadError
-from aotc.manifest import Manifest
-from aotc.records.program import PROGRAM_ROLE, Program
-from aotc.lookup.toolchain import machine_factors
 from aotc.fleet.trust import enforce, trust_policy
-from aotc.settings import current
-from aotc.runtime.rehydrate import rehydrate
 from aotc.lookup.resolve import resolve
+from aotc.lookup.stores import as_manifest, open_store, split_store
+from aotc.lookup.toolchain import machine_factors
+from aotc.manifest import Manifest
+from aotc.model.build import build_model
+from aotc.records.program import PROGRAM_ROLE, Program
+from aotc.runtime.rehydrate import rehydrate
 from aotc.runtime.runner import Runner, Timings
+from aotc.settings import current
+
+if TYPE_CHECKING:
+    from aotc.runtime.cudagraph import GraphedRunner
 
 _WORKDIRS: list[Path] = []
+
+
+def _remove_workdirs() -> None:
+    for p in _WORKDIRS:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _workdir() -> Path:
     """A per-process directory for rehydrated artifacts; removed at exit."""
     path = Path(tempfile.mkdtemp(prefix="aotc-load-"))
     if not _WORKDIRS:
-        atexit.register(lambda: [shutil.rmtree(p, ignore_errors=True) for p in _WORKDIRS])
+        atexit.register(_remove_workdirs)
     _WORKDIRS.append(path)
     return path
 
@@ -56,8 +64,8 @@ def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any 
     if remote is not None and store.read_only:
         raise StoreReadOnlyError(str(store.root), f"pull {manifest.name} into it from {remote.url}")
     if remote is not None:  # pull-through: fetch it, verified, into the local store, then load
-        from aotc.progress import Progress
         from aotc.fleet.sync import pull_for_manifest
+        from aotc.progress import Progress
 
         t = time.perf_counter()
         quiet = not sys.stderr.isatty() and not progress
@@ -107,7 +115,7 @@ def rehydrate_entry(entry: Entry, store: Store, timings: Timings, options: dict[
 def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
                options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
                capture_sizes: Any = None, trusted: frozenset[str] = frozenset(),
-               fast: bool | None = None) -> Runner:
+               fast: bool | None = None) -> Runner | GraphedRunner:
     """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
     (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). Under a trust policy
     (``trusted`` public keys) the entry's signature is checked before any blob is read.
@@ -124,7 +132,7 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
 
 
 def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,
-         device: str | None = None, trust: Any = (), remote: Any = None) -> Runner:
+         device: str | None = None, trust: Any = (), remote: Any = None) -> Runner | GraphedRunner:
     """Warm-start a compiled model (see module doc).
 
     ``manifest_or_key``: a manifest (object or path) — the key is resolved for this machine — or

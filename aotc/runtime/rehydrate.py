@@ -7,9 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import inductor_load
-
-from aotc._torch import wrapper
+from aotc._torch import inductor_load, wrapper
 from aotc.counters import COUNTERS
 from aotc.errors import LoadError
 from aotc.records.program import Program

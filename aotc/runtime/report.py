@@ -5,23 +5,23 @@ eager per size."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from aotc.errors import NumericMismatchError
 
 
-def run_manifest(manifest_path: str | Path, sizes: Sequence[int], store: Any = None,
+def run_manifest(manifest_path: Any, sizes: Sequence[int], store: Any = None,
                  check_eager: bool = False, trust: Sequence[str] = (),
                  remote: Any = None) -> dict[str, Any]:
     """Load, run each size once, and report as a JSON-able dict (see ``aotc run --help``)."""
     import torch
 
+    from aotc._torch.inductor_facts import counters_snapshot
+    from aotc.lookup.stores import as_manifest
     from aotc.model.build import make_named_inputs
     from aotc.model.state import named_buffers
     from aotc.runtime.checking import compare_runs, flat_tensors
-    from aotc.lookup.stores import as_manifest
-    from aotc._torch.inductor_facts import counters_snapshot
     from aotc.runtime.loader import load
 
     manifest = as_manifest(manifest_path)

@@ -7,18 +7,19 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from aotc.errors import AotcError, InputError, LoadError, RunError
 from aotc.model.build import DTYPES
 from aotc.model.forward import ByName, unwrap
 from aotc.model.state import named_tensors
-from aotc.runtime.checking import kept
-from aotc.errors import AotcError, InputError, LoadError, RunError
 from aotc.records.graphcode import GraphProgram
 from aotc.records.program import Program
+from aotc.runtime.checking import kept
 
 Artifact = Callable[..., Sequence[torch.Tensor]]
 _PATH = re.compile(r"(?:/[^\s:,'\"]+)+\.(?:cpp|h|py|so)(?::\d+)?")  # compile-time staging paths
@@ -38,7 +39,7 @@ class PieceCall:
 
     def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
         if self.layouts:
-            args = in_layouts(args, self.layouts, self._strides)  # type: ignore[assignment]
+            args = in_layouts(args, self.layouts, self._strides)  # type: ignore[assignment]  # in_layouts hands back a sequence of the same arguments
         n = self.runner.current_tokens
         fn = self.by_size.get(n) or self.dynamic
         if fn is None:
@@ -309,9 +310,9 @@ class Runner:
             if bound is not None:
                 args.append(bound)
             elif slot.kind == "input":
-                args.append(inputs[int(slot.index)])  # type: ignore[arg-type]
+                args.append(inputs[int(slot.index)])  # type: ignore[arg-type]  # an input/symbol slot always has index (and dim)
             else:
-                args.append(int(inputs[int(slot.index)].shape[int(slot.dim)]))  # type: ignore[arg-type]
+                args.append(int(inputs[int(slot.index)].shape[int(slot.dim)]))  # type: ignore[arg-type]  # an input/symbol slot always has index (and dim)
         try:
             with torch.no_grad():
                 out = self._stitch(self._modules, *args)

@@ -27,6 +27,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     t = time.perf_counter()
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     seconds: dict[str, float] = {"import": time.perf_counter() - t}
     kw = engine_kwargs(spec["backend"], spec["model"], spec.get("dtype", "float32"),
@@ -38,7 +39,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     greedy = SamplingParams(max_tokens=int(spec.get("max_tokens", 16)), temperature=0.0,
                             detokenize=False)
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in spec["prompts"]], greedy,
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]], greedy,
                         use_tqdm=False)
     seconds["generate"] = time.perf_counter() - t
     seconds["first_output"] = time.perf_counter() - _T0
@@ -51,7 +52,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                                detokenize=False)
         tps: dict[str, float] = {}
         for c in decode.get("concurrency", [1, 8]):
-            prompts = [{"prompt_token_ids": [1 + (i % 7), 2, 3]} for i in range(int(c))]
+            prompts = [TokensPrompt(prompt_token_ids=[1 + (i % 7), 2, 3]) for i in range(int(c))]
             llm.generate(prompts, fixed, use_tqdm=False)  # warm: every batch shape seen once
             rates = []
             for _ in range(int(decode.get("repeats", 3))):  # the median of a few: 2 cores are noisy
