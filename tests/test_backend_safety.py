@@ -243,7 +243,7 @@ def test_a_piece_gets_its_inputs_in_the_layout_it_was_compiled_for() -> None:
     """Phi-3's case: the piece was compiled for a contiguous [1, 4, 5, 16] and the attention
     op hands it the same values laid out [1, 5, 4, 16]-first: the piece gets a dense copy in
     its own layout; a tensor already in it (or differing only in a size-1 dim) passes as is."""
-    from aotc.runtime.runner import in_layouts
+    from aotc.runtime.stitched import in_layouts
 
     memo: dict = {}
     layouts = [(0, (0, 1, 2, 3)), (2, (0, 1, 2, 3))]

@@ -21,7 +21,7 @@ from aotc._torch import dynamo
 from aotc.counters import COUNTERS
 from aotc.errors import LoadError
 from aotc.runtime.graphcall import GraphRunner
-from aotc.runtime.runner import Timings
+from aotc.runtime.stitched import Timings
 
 __all__ = ["AotcCompiled", "load_graph_program"]
 

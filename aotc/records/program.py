@@ -53,7 +53,7 @@ class PieceRecord:
     # torch < 2.12's split_module has no tuple_return and single outputs come back bare)
     # compiled: per input, the dense layout it was compiled for (dims from outermost to
     # innermost) when the input comes from another piece; None where the caller's own layout
-    # stands (graph inputs, weights, non-dense views). See aotc.runtime.runner.PieceCall.
+    # stands (graph inputs, weights, non-dense views). See aotc.runtime.stitched.PieceCall.
     layouts: list[list[int] | None] | None = None
 
 

@@ -28,7 +28,8 @@ from aotc.manifest import Manifest
 from aotc.model.build import build_model
 from aotc.records.program import PROGRAM_ROLE, Program
 from aotc.runtime.rehydrate import rehydrate
-from aotc.runtime.runner import Runner, Timings
+from aotc.runtime.runner import Runner
+from aotc.runtime.stitched import Timings
 from aotc.settings import current
 
 if TYPE_CHECKING:

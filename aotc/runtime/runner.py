@@ -4,11 +4,8 @@ splitting pieces (attention) eagerly. No Dynamo, no compiler."""
 
 from __future__ import annotations
 
-import re
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,138 +14,26 @@ from aotc.errors import AotcError, InputError, LoadError, RunError
 from aotc.model.build import DTYPES
 from aotc.model.forward import ByName, unwrap
 from aotc.model.state import named_tensors
-from aotc.records.graphcode import GraphProgram
 from aotc.records.program import Program
 from aotc.runtime.checking import kept
+from aotc.runtime.stitched import Artifact, PieceCall, StitchedProgram, Timings, kernel_text
 
-Artifact = Callable[..., Sequence[torch.Tensor]]
-_PATH = re.compile(r"(?:/[^\s:,'\"]+)+\.(?:cpp|h|py|so)(?::\d+)?")  # compile-time staging paths
-
-
-class PieceCall:
-    """Calls a compiled piece's artifact for the runner's current token count (a runner has
-    ``current_tokens``, ``piece_hook`` and ``kernel_error``)."""
-
-    def __init__(self, runner: Any, name: str, uid: str, by_size: Mapping[int | None, Artifact],
-                 returns_tuple: bool = True, layouts: Sequence[Sequence[int] | None] | None = None) -> None:
-        self.runner, self.name, self.uid, self.by_size = runner, name, uid, dict(by_size)
-        self.returns_tuple = returns_tuple
-        self.dynamic = self.by_size.get(None)
-        self.layouts = [(i, tuple(o)) for i, o in enumerate(layouts or ()) if o is not None]
-        self._strides: dict[Any, tuple[int, ...]] = {}
-
-    def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
-        if self.layouts:
-            args = in_layouts(args, self.layouts, self._strides)  # type: ignore[assignment]  # in_layouts hands back a sequence of the same arguments
-        n = self.runner.current_tokens
-        fn = self.by_size.get(n) or self.dynamic
-        if fn is None:
-            raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
-                             f"(static sizes: {sorted(k for k in self.by_size if k)})")
-        hook = self.runner.piece_hook
-        try:
-            out = fn(*args) if hook is None else hook(self.name, fn, args)
-        except RuntimeError as e:  # a kernel's own check (an index out of range, ...)
-            if type(e) is not RuntimeError:  # out of memory and the like: the caller's to handle
-                raise
-            raise self.runner.kernel_error(self, n, e) from e
-        out = out if isinstance(out, (list, tuple)) else (out,)
-        return out if self.returns_tuple else out[0]
+__all__ = ["Runner"]
 
 
-def in_layouts(args: Sequence[Any], layouts: Sequence[tuple[int, tuple[int, ...]]],
-               memo: dict[Any, tuple[int, ...]]) -> Sequence[Any]:
-    """``args`` with each tensor whose layout differs from the one its piece was compiled for
-    (``layouts``: ``(position, dims outermost first)``) replaced by a copy in that layout; a dim
-    of size 1 may have any stride. Inductor asserts its inputs' strides: another piece or an
-    eager attention op may lay out its output otherwise than the trace said. ``memo``: the
-    strides wanted per (position, shape), filled as calls come."""
-    out: list[Any] | None = None
-    for i, order in layouts:
-        t = args[i] if i < len(args) else None
-        if not isinstance(t, torch.Tensor) or t.dim() != len(order):
-            continue
-        shape = t.shape
-        want = memo.get((i, shape))
-        if want is None:
-            strides = [0] * len(order)
-            step = 1
-            for d in reversed(order):
-                strides[d] = step
-                step *= max(int(shape[d]), 1)
-            want = memo[(i, shape)] = tuple(strides)
-            if len(memo) > 256:  # a bounded memo: sizes come and go
-                memo.clear()
-        have = t.stride()
-        if have != want and any(shape[d] != 1 and have[d] != want[d] for d in range(len(order))):
-            out = list(args) if out is None else out
-            out[i] = torch.empty_strided(shape, want, dtype=t.dtype, device=t.device).copy_(t)
-    return args if out is None else tuple(out)
-
-
-class SplittingCall:
-    """Runs an attention piece's small graph eagerly."""
-
-    def __init__(self, graph: GraphProgram) -> None:
-        self.graph = graph
-
-    def __call__(self, *args: Any) -> Any:
-        return self.graph({}, *args)
-
-
-@dataclass
-class Timings:
-    """Seconds spent in each phase of a warm start (filled by the loader)."""
-
-    phases: dict[str, float] = field(default_factory=dict)
-    pulled_bytes: int = 0  # bytes fetched from a remote store on a local miss (pull-through)
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
-
-    @property
-    def total(self) -> float:
-        return sum(self.phases.values())
-
-
-def kernel_text(e: BaseException) -> str:
-    """A kernel's error in one line, without the compile-time staging paths it names."""
-    text = " ".join(_PATH.sub("", str(e)).split())
-    return re.sub(r"^kernel,\s*(?::\d+)?,\s*", "", text)[:300]  # "kernel, <path>:44, why"
-
-
-class Runner:
+class Runner(StitchedProgram):
     """``runner(*inputs)`` or ``runner(name=tensor, …)``: the compiled model, bound to ``model``'s
     parameters and buffers (by their names in ``model``: the server's own module, e.g. what
     ``transformers`` returns). Returns the declared output (a tuple when several are declared)."""
 
-    graphs: Any = None  # no CUDA graphs (a GraphedRunner around it has them)
-
     def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
                  model: torch.nn.Module, key: str = "", timings: Timings | None = None) -> None:
-        self.program, self.key, self.model = program, key, unwrap(model)
-        self.timings = timings or Timings()
-        self._local = threading.local()  # the token count of the call in flight, per thread
-        # Runs each compiled piece in place of a plain call when set: ``hook(name, fn, args)``
-        # (a CUDA graph wrapper captures and replays pieces through it)
-        self.piece_hook: Callable[[str, Artifact, Sequence[Any]], Any] | None = None
-        self.input_names = tuple(str(s["name"]) for s in program.inputs)
         t0 = time.perf_counter()
-        self._stitch = GraphProgram(program.stitch)
-        self._modules: dict[str, Callable[..., Any]] = {}
-        for p in program.pieces:
-            if p.kind == "compiled":
-                self._modules[p.name] = PieceCall(self, p.name, str(p.uid),
-                                                  artifacts[str(p.uid)], p.returns_tuple, p.layouts)
-            else:
-                self._modules[p.name] = SplittingCall(GraphProgram(p.graph or {"nodes": []}))
+        super().__init__(program, artifacts, key, timings)
+        self.model = unwrap(model)
+        self.input_names = tuple(str(s["name"]) for s in program.inputs)
         self._bind(self.model)
         self.timings.add("bind", time.perf_counter() - t0)
-
-    @property
-    def current_tokens(self) -> int:
-        """The token count of the call in flight on this thread."""
-        return int(getattr(self._local, "tokens", 0))
 
     def _bind(self, model: torch.nn.Module) -> None:
         state = named_tensors(model)
@@ -303,7 +188,6 @@ class Runner:
     def run_at(self, inputs: Sequence[torch.Tensor], n: int) -> Any:
         """Run the stitched program on checked inputs of ``n`` tokens (no graphs replayed unless
         the graph set is replaying)."""
-        self._local.tokens = n
         self._local.inputs = inputs
         args = []
         for slot, bound in zip(self.program.slots, self._bound):
@@ -314,8 +198,7 @@ class Runner:
             else:
                 args.append(int(inputs[int(slot.index)].shape[int(slot.dim)]))  # type: ignore[arg-type]  # an input/symbol slot always has index (and dim)
         try:
-            with torch.no_grad():
-                out = self._stitch(self._modules, *args)
+            out = self.run_stitch(n, args)
         finally:
             self._local.inputs = None
         if isinstance(self.program.output, (list, tuple)):
