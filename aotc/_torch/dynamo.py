@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["dynamo_error", "is_restart", "mark", "outside_trace", "serializable_callable_base", "supports_shape_id",
-           "symbol_key", "symbol_range", "symint_hint",
+__all__ = ["dynamo_error", "free_symbol_range", "is_plain_symbol", "is_restart", "mark", "outside_trace",
+           "serializable_callable_base", "supports_shape_id", "symbol_key", "symbol_range", "symint_hint",
            "trace_fullgraph", "traced_code"]
 
 
@@ -92,9 +92,22 @@ def trace_fullgraph(model: torch.nn.Module, inputs: Sequence[Any],
         dynamo.reset()
 
 
-def symbol_key(size: torch.SymInt) -> Any:
+def symbol_key(size: torch.SymInt | torch.SymFloat | torch.SymBool) -> Any:
     """A hashable identity of a size symbol's expression (equal symbols, equal keys)."""
     return size.node.expr
+
+
+def is_plain_symbol(size: Any) -> bool:
+    """Whether ``size`` is a ``SymInt`` whose expression is one bare symbol (``s0``), not an
+    expression of symbols (``2*s0``) or a constant."""
+    return isinstance(size, torch.SymInt) and hasattr(size.node.expr, "name")
+
+
+def free_symbol_range(size: torch.SymInt, symbol: Any) -> tuple[str, str] | None:
+    """The range the shape env proved for ``symbol`` (one of :func:`symbol_key`'s free symbols),
+    as ``(lower, upper)`` strings, or None when it has none."""
+    vr = size.node.shape_env.var_to_range.get(symbol)
+    return None if vr is None else (str(vr.lower), str(vr.upper))
 
 
 def _as_int(x: Any) -> int | None:

@@ -54,7 +54,7 @@ def graph_slots(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tupl
             slots.append(Slot("symbol", index=i))
         elif isinstance(val, torch.Tensor):
             dim = next((d for d, s in enumerate(val.shape)
-                        if isinstance(s, torch.SymInt) and hasattr(s.node.expr, "name")), None)
+                        if dynamo.is_plain_symbol(s)), None)
             slots.append(Slot("input", index=i, dim=dim, dtype=str(val.dtype).removeprefix("torch.")))
         else:
             slots.append(Slot("opaque", index=i))

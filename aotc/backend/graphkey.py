@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from aotc._torch import dynamo
 from aotc._torch.ops import op_name, op_schema
 from aotc.errors import BackendError
 
@@ -50,14 +51,14 @@ class _Canon:
             return int(s)
         import sympy
 
-        expr = s.node.expr
+        expr = dynamo.symbol_key(s)
         mapping = {}
         for f in sorted(expr.free_symbols, key=lambda x: str(x)):
             name = self.symbols.setdefault(f, f"S{len(self.symbols)}")
             mapping[f] = sympy.Symbol(name, integer=True)
             if name not in self.ranges:  # Inductor uses the bounds (32-bit indexing, checks)
-                vr = s.node.shape_env.var_to_range.get(f)
-                self.ranges[name] = None if vr is None else [str(vr.lower), str(vr.upper)]
+                vr = dynamo.free_symbol_range(s, f)
+                self.ranges[name] = None if vr is None else list(vr)
         return str(expr.xreplace(mapping))
 
     def placeholder(self, node: torch.fx.Node, example: Any) -> dict[str, Any]:
@@ -78,7 +79,7 @@ class _Canon:
         if isinstance(example, (bool, int, float)) and not isinstance(example, torch.SymInt):
             return {"kind": "scalar", "type": type(example).__name__}
         if isinstance(val, (torch.SymFloat, torch.SymBool)):
-            return {"kind": "symbol", "type": type(val).__name__, "expr": str(val.node.expr)}
+            return {"kind": "symbol", "type": type(val).__name__, "expr": str(dynamo.symbol_key(val))}
         t = type(example)
         return {"kind": "opaque", "type": f"{t.__module__}.{t.__qualname__}"}
 
