@@ -78,7 +78,7 @@ def _print_result(result: Any, pushed: Any, as_json: bool) -> None:
         f"{result.name}: compiled {result.pieces} pieces ({result.unique_pieces} unique), "
         f"{result.compiles} Inductor compiles"
         + (f" ({result.shared} more taken from stored entries)" if getattr(result, "shared", 0) else "")
-        + (f" ({result.resumed} more reused from {result.resumed_from})" if result.resumed else "")
+        + (f" ({result.resumed} more resumed from {result.resumed_from})" if result.resumed else "")
         + f", max abs err {result.max_abs_err:.3g}\n"
         f"  {phases}\n  stored {format_size(result.bytes_stored)} under key {result.key}\n"
         f"  store {result.store}"

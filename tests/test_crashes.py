@@ -87,7 +87,7 @@ def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
         killed, seen = _run_until(cmd, marker, rng.uniform(0.0, longest))
         spent.append(f"{event} {time.perf_counter() - t:.0f}s")
         runs += 1
-        resumed_runs += "reused from an interrupted compile" in seen
+        resumed_runs += "resumed from an interrupted compile" in seen
         if killed:
             kills[event] = kills.get(event, 0) + 1
         else:

@@ -58,10 +58,16 @@ class CompiledPiece:
     seconds: float
     wrapper: Path | None = None  # the fast-path record (aotc._torch.wrapper), when the piece qualifies
     wrapper_note: str = ""  # why it does not
-    reused: bool = False  # found finished in the compile's work directory (a resumed compile)
+    resumed: bool = False  # found finished in the work directory: an interrupted compile of this key
     phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds by step (a profile)
     # kernel libraries: "built" by this compile, "pooled" taken from the job's kernel pool
     kernels: dict[str, int] = dataclasses.field(default_factory=dict)
+    shared: bool = False  # taken from another stored entry (aotc.compile.reuse), not compiled
+
+    @property
+    def compiled_here(self) -> bool:
+        """Whether this run compiled it (neither resumed nor shared)."""
+        return not (self.resumed or self.shared)
 
 
 def _sc_module() -> Any:

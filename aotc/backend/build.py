@@ -276,7 +276,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
                 numerics = check(runner, reference, gm, example_inputs, parts, sizes if dynamic else (),
                                  atol, rtol)
         except AotcError as e:
-            discard(claimed.path, [task for task, c in compiled.items() if c.reused])
+            discard(claimed.path, [task for task, c in compiled.items() if not c.compiled_here])
             if isinstance(e, NumericMismatchError):
                 note_check_failed(claimed.path, str(e))
             raise
@@ -290,7 +290,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
             blobs[role] = kernel_root / rel
         metadata = {
             "kind": "graph", "pieces": len(parts.pieces), "unique_pieces": len(first_of),
-            "compiles": sum(not c.reused for c in compiled.values()), "shared": len(shared),
+            "compiles": sum(c.compiled_here for c in compiled.values()), "shared": len(shared),
             "shared_from": sorted(set(shared.values())),
             "shapes": ["dynamic" if s is None else str(s) for s in shapes], "numerics": numerics,
             "torch": factors["toolchain"].get("torch"), "device": program.device,

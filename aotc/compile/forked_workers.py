@@ -40,7 +40,7 @@ def _to_json(uid: str, c: inductor_compile.CompiledPiece) -> str:
                        "kernel_root": str(c.kernel_root), "kernel_files": list(c.kernel_files),
                        "key": c.key, "seconds": c.seconds,
                        "wrapper": None if c.wrapper is None else str(c.wrapper),
-                       "wrapper_note": c.wrapper_note, "reused": c.reused, "phases": c.phases,
+                       "wrapper_note": c.wrapper_note, "resumed": c.resumed, "phases": c.phases,
                        "kernels": c.kernels})
 
 
@@ -49,7 +49,7 @@ def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
     return (d["uid"], d["size"]), inductor_compile.CompiledPiece(
         Path(d["artifact"]), Path(d["kernel_root"]), tuple(d["kernel_files"]), d["size"], d["key"],
         float(d["seconds"]), None if d.get("wrapper") is None else Path(d["wrapper"]),
-        str(d.get("wrapper_note", "")), bool(d.get("reused", False)), dict(d.get("phases") or {}),
+        str(d.get("wrapper_note", "")), bool(d.get("resumed", False)), dict(d.get("phases") or {}),
         dict(d.get("kernels") or {}))
 
 
@@ -115,7 +115,7 @@ class ForkedWorker:
         for line in self.results:
             if line.startswith("{"):
                 task, c = _from_json(line)
-                if not c.reused:
+                if c.compiled_here:
                     COUNTERS.compiles += 1  # an Inductor compile ran, in the worker
                 self.received += 1
                 self.done(task, c, self.name)

@@ -167,7 +167,7 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
             return _hit(store.get(key, record=False), manifest, seconds, store, traces=1)
         kernel_root = Path(tmp) / "kernels"
         tasks = [(uid, size) for uid in first_of for size in shapes]
-        reused_from = resumed_from(claimed.path)
+        resumed_source = resumed_from(claimed.path)
         shared = {} if force else seed_from_store(store, claimed.path, tasks, factors)
         compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs,
                                  shared=shared)
@@ -200,8 +200,8 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
             program = _with_numerics(program, numerics)
             seconds["check"] = time.perf_counter() - t
         except AotcError as e:
-            # a reused result may be what failed the check: never reuse those again
-            discard(claimed.path, [task for task, c in compiled.items() if c.reused])
+            # a resumed or shared result may be what failed the check: never take those again
+            discard(claimed.path, [task for task, c in compiled.items() if not c.compiled_here])
             if isinstance(e, NumericMismatchError):
                 note_check_failed(claimed.path, str(e))
             raise
@@ -211,7 +211,7 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         blobs.update(files)
         for rel, role in kernel_roles.items():
             blobs[role] = kernel_root / rel
-        n_compiles = sum(not c.reused for c in compiled.values())
+        n_compiles = sum(c.compiled_here for c in compiled.values())
         steps, kernels = profile(compiled.values()), kernel_builds(compiled.values())
         metadata = {"shared_from": sorted(set(shared.values())),
             "probe": compute_key(base), "pieces": len(parts.pieces), "unique_pieces": len(first_of),
@@ -229,8 +229,8 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         unique_pieces=len(first_of), compiles=n_compiles, traces=1,
         seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
         max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
-        store=str(store.root), resumed=sum(c.reused for t, c in compiled.items() if t not in shared),
-        resumed_from=reused_from, shared=len(shared), profile=steps, kernels=kernels)
+        store=str(store.root), resumed=sum(c.resumed for c in compiled.values()),
+        resumed_from=resumed_source, shared=len(shared), profile=steps, kernels=kernels)
 
 
 def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,

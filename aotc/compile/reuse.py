@@ -51,10 +51,10 @@ def _extract(store: Store, entry: Any, uid: str, size: int | None, out: Path) ->
         store.extract_blobs(entry, dests)
         sizes = {p.relative_to(result).as_posix(): p.stat().st_size for p in dests.values()}
         done = {"uid": uid, "size": size, "artifact": "artifact.bin", "kernel_files": kernels,
-                "key": f"reused from {entry.key}", "seconds": 0.0,
+                "key": f"shared from {entry.key}", "seconds": 0.0,
                 "wrapper": "wrapper.json" if wrapper in entry.blobs else None,
-                "wrapper_note": "" if wrapper in entry.blobs else "reused without a fast-path record",
-                "sizes": sizes, "reused_from": entry.key}
+                "wrapper_note": "" if wrapper in entry.blobs else "shared without a fast-path record",
+                "sizes": sizes, "shared_from": entry.key}
         (result / "done.json").write_text(json.dumps(done))
         try:
             os.rename(result, out)

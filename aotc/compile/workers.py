@@ -71,7 +71,7 @@ def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> induc
         c = inductor_compile.CompiledPiece(
             out / d["artifact"], out / "kernels", tuple(d["kernel_files"]), d["size"], d["key"],
             float(d["seconds"]), None if d["wrapper"] is None else out / d["wrapper"],
-            str(d["wrapper_note"]), reused=True, phases=dict(d.get("phases") or {}),
+            str(d["wrapper_note"]), resumed=True, phases=dict(d.get("phases") or {}),
             kernels=dict(d.get("kernels") or {}))
         for rel, n in d["sizes"].items():  # a file cut short (power loss, disk full): rebuild
             if (out / rel).stat().st_size != n:
@@ -143,7 +143,7 @@ class _Claim:
         if found is None:
             raise CompileError(f"compiled piece {self.uid} vanished from {self.work} (removed by "
                                "gc?); compile again")
-        return replace(found, reused=False, seconds=c.seconds, phases=c.phases, kernels=c.kernels)
+        return replace(found, resumed=False, seconds=c.seconds, phases=c.phases, kernels=c.kernels)
 
     def release(self) -> None:
         """Drop the scratch dir and the lock (idempotent)."""
@@ -177,19 +177,22 @@ def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: 
     def done(task: Task, c: inductor_compile.CompiledPiece, by: str = "") -> None:
         with lock:
             results[task] = c
-            progress.step(len(results), total, _label(*task) + (" (resumed)" if c.reused else "")
+            progress.step(len(results), total, _label(*task) + (" (resumed)" if c.resumed else "")
+                          + (" (shared)" if c.shared else "")
                           + (f" ({by})" if by else ""))
 
-    # finished by an earlier, interrupted compile of this key: not compiled again
-    reused = {t: c for t in tasks if (c := _reuse(work, *t, repair=False)) is not None}
-    todo = [t for t in tasks if t not in reused]
-    jobs = max(1, min(jobs, len(todo)))
+    # finished in the work directory: by an earlier, interrupted compile of this key (resumed) or
+    # seeded there from another stored entry (shared); not compiled again
     shared = shared or {}
-    resumed = len(set(reused) - set(shared))
+    found = {t: c if t not in shared else replace(c, resumed=False, shared=True)
+             for t in tasks if (c := _reuse(work, *t, repair=False)) is not None}
+    todo = [t for t in tasks if t not in found]
+    jobs = max(1, min(jobs, len(todo)))
+    resumed = sum(c.resumed for c in found.values())
     progress.step(0, total, "compiling" + (f" in {jobs} processes" if jobs > 1 else "")
                   + (f", {len(shared)} taken from stored entries" if shared else "")
-                  + (f", {resumed} reused from {resumed_from(work)}" if resumed else ""))
-    for task, c in reused.items():
+                  + (f", {resumed} resumed from {resumed_from(work)}" if resumed else ""))
+    for task, c in found.items():
         done(task, c)
     queue = TaskQueue(todo) if jobs > 1 else None
     workers: list[ForkedWorker] = []
@@ -219,7 +222,7 @@ def profile(compiled: Any) -> dict[str, float]:
     """Seconds by step (``CompiledPiece.phases``) summed over the pieces actually compiled."""
     out: dict[str, float] = {}
     for c in compiled:
-        if not c.reused:
+        if c.compiled_here:
             for k, v in c.phases.items():
                 out[k] = round(out.get(k, 0.0) + v, 3)
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
@@ -229,7 +232,7 @@ def kernel_builds(compiled: Any) -> dict[str, int]:
     """Kernel libraries the pieces actually compiled built, and took from the job's pool."""
     out = {"built": 0, "pooled": 0}
     for c in compiled:
-        if not c.reused:
+        if c.compiled_here:
             for k in out:
                 out[k] += int(c.kernels.get(k, 0))
     return out
