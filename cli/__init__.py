@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from aotc.cli.bundle_commands import export_command, import_command
-from aotc.cli.common import AppContext, run_guarded
+from aotc.cli.common import AppContext, run_cli
 from aotc.cli.compile_commands import register as register_compile_commands
 from aotc.cli.remote_commands import pull_command, push_command
 from aotc.cli.store_commands import gc_command, inspect_group, verify_command
@@ -54,4 +54,4 @@ register_compile_commands(cli)  # they import torch inside their callbacks only
 
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point."""
-    return run_guarded(cli, sys.argv[1:] if argv is None else argv)
+    return run_cli(cli, sys.argv[1:] if argv is None else argv)

@@ -102,7 +102,7 @@ def guard(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def run_guarded(group: click.Group, argv: list[str]) -> Any:
+def run_cli(group: click.Group, argv: list[str]) -> Any:
     """Run the click group (standalone: click prints errors and exits)."""
     return group.main(args=argv, prog_name="aotc")
 

@@ -113,17 +113,3 @@ def test_bad_manifest_subprocess(name: str, tmp_path: Path) -> None:
                                           if not PROGRESS_LINE.match(ln)))
     assert proc.stderr.splitlines()[-1].startswith("Error: ")
     assert_nothing_stored(store_dir)
-
-
-def test_summary(tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
-    """The whole corpus once more, counted (depends on no other test's state)."""
-    failed = []
-    for name in CASES:
-        try:
-            refuse_in_process(name, tmp_path_factory.mktemp("summary"))
-        except AssertionError:
-            failed.append(name)
-    clean = len(CASES) - len(failed)
-    with capsys.disabled():
-        print(f"\nbad manifests: {len(CASES)} tried, {clean} refused cleanly")
-    assert not failed, f"not refused cleanly: {', '.join(failed)}"

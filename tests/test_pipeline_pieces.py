@@ -67,6 +67,7 @@ def test_custom_op_registration_is_idempotent():
 
 def test_build_is_deterministic(model):
     again = toy_llama.build(**TINY)
+    assert len(model.state_dict()) == len(again.state_dict()) > 0
     for (n1, p1), (n2, p2) in zip(model.state_dict().items(), again.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
     assert model(*_inputs(5)).shape == (5, TINY["vocab"])
@@ -217,7 +218,9 @@ def test_a_pieces_kernels_build_in_one_compiler_run(compiled, tmp_path, threads)
     fast = wrapper.load(wrapper.WrapperCode.from_json(c.wrapper.read_bytes()), c.kernel_root)
     args = _real_args(piece, 5)
     with torch.no_grad():
-        for a, b in zip(fast(*args), piece.gm(*args)):
+        got, want = fast(*args), piece.gm(*args)
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -252,7 +255,9 @@ def test_the_kernels_of_tasks_in_a_row_build_in_one_compiler_run(compiled, tmp_p
         fast = wrapper.load(wrapper.WrapperCode.from_json(c.wrapper.read_bytes()), c.kernel_root)
         args = _real_args(piece, n)
         with torch.no_grad():
-            for x, y in zip(fast(*args), piece.gm(*args)):
+            got_n, want_n = fast(*args), piece.gm(*args)
+            assert len(got_n) == len(want_n) > 0
+            for x, y in zip(got_n, want_n):
                 torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
@@ -298,6 +303,7 @@ def test_kernel_pool_builds_a_shared_kernel_once_and_ships_only_the_ones_used(co
     with torch.no_grad():
         ref = other.gm(*args)
         out = inductor_load.load_piece(c.artifact, root)(*args)
+    assert len(out) == len(ref) > 0
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -357,6 +363,7 @@ _FRESH = textwrap.dedent(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t3 = time.perf_counter()
+    assert len(out) == len(data["ref"]) > 0
     err = max(((a - b).abs() / (1 + b.abs())).max().item() for a, b in zip(out, data["ref"]))
     new = sorted(str(p.relative_to(root)) for pat in binaries for p in root.rglob(pat)
                  if p not in before)

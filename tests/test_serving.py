@@ -157,7 +157,7 @@ def test_kv_cache_in_buffers_checked_from_one_snapshot_and_decodes_like_eager(se
             c.zero_()
         eager_tokens = _greedy(runner.eager, prompt, 16)
         assert compiled_tokens == eager_tokens
-        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(compiled_state, caches))
+        assert caches and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(compiled_state, caches))
 
 
 def test_warmup_restores_state_and_run_reports_the_first_call(serving) -> None:
@@ -170,7 +170,7 @@ def test_warmup_restores_state_and_run_reports_the_first_call(serving) -> None:
     before = [c.clone() for c in caches]
     seconds = runner.warmup()
     assert seconds > 0 and "warmup" in runner.timings.phases
-    assert all(torch.equal(a, b) for a, b in zip(before, caches))
+    assert caches and all(torch.equal(a, b) for a, b in zip(before, caches))
     res = CliRunner().invoke(cli, ["--store", str(store), "run", str(manifest), "--sizes", "5,1",
                                    "--check-eager", "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
