@@ -35,7 +35,7 @@ from aotc.errors import AotcError, NumericMismatchError
 from aotc.lookup.toolchain import fingerprint
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
-from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot
+from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot, artifact_role, kernel_roles, wrapper_role
 from aotc.runtime.checking import flat_tensors, same, tensor_errors
 from aotc.runtime.graphcall import GraphRunner
 from aotc.runtime.rehydrate import rehydrate
@@ -252,17 +252,17 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
         t = time.perf_counter()
-        artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}",
+        artifacts = [ArtifactRecord(uid, size, artifact_role(uid, size),
                                     None if compiled[(uid, size)].wrapper is None
-                                    else f"wrapper/{uid}/{size or 'dynamic'}")
+                                    else wrapper_role(uid, size))
                      for (uid, size) in tasks]
-        kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
+        roles = kernel_roles(kernel_files)
         program = Program(
             name=name, device=device,
             dtype=str(_float_dtype(example_inputs)).removeprefix("torch."), slots=slots, inputs=(),
             stitch=encode_graph(parts.stitch),
             pieces=piece_records(parts, uid_of),
-            artifacts=tuple(artifacts), kernel_roles=kernel_roles, compile_sizes=tuple(sizes if dynamic else ()),
+            artifacts=tuple(artifacts), kernel_roles=roles, compile_sizes=tuple(sizes if dynamic else ()),
             capture_sizes=(), max_tokens=0, dynamic_mode="backed" if dynamic else "static",
             min_dynamic_tokens=1, source_files={})
         files: dict[str, Any] = dict(artifact_files(artifacts, compiled))
@@ -286,7 +286,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         seconds["check"] = time.perf_counter() - t
         t = time.perf_counter()
         blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json(), **files}
-        for rel, role in kernel_roles.items():
+        for rel, role in roles.items():
             blobs[role] = kernel_root / rel
         metadata = {
             "kind": "graph", "pieces": len(parts.pieces), "unique_pieces": len(first_of),

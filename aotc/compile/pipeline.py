@@ -40,7 +40,7 @@ from aotc.model.state import named_buffers, named_tensors
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
 from aotc.records.key import compute_key
-from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot
+from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot, artifact_role, kernel_roles, wrapper_role
 from aotc.runtime.checking import compare_runs
 from aotc.runtime.rehydrate import rehydrate
 from aotc.runtime.runner import Runner
@@ -176,17 +176,17 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         try:
             progress.phase("check", "reload artifacts, compare with eager")
             t = time.perf_counter()
-            artifacts = [ArtifactRecord(uid, size, f"artifact/{uid}/{size or 'dynamic'}",
+            artifacts = [ArtifactRecord(uid, size, artifact_role(uid, size),
                                         _wrapper_role(compiled[(uid, size)], uid, size, warnings))
                          for (uid, size) in tasks]
-            kernel_roles = {rel: f"kernel/{rel}" for rel in sorted(kernel_files)}
+            roles = kernel_roles(kernel_files)
             program = Program(
                 name=manifest.name, device=manifest.device, dtype=manifest.dtype,
                 slots=_slots(captured.arg_spec, unwrap(model)),
                 inputs=tuple(_input_dict(s) for s in manifest.inputs),
                 stitch=encode_graph(parts.stitch),
                 pieces=piece_records(parts, uid_of),
-                artifacts=tuple(artifacts), kernel_roles=kernel_roles,
+                artifacts=tuple(artifacts), kernel_roles=roles,
                 compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
                 max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
                 min_dynamic_tokens=_min_dynamic(captured),
@@ -209,7 +209,7 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         t = time.perf_counter()
         blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json()}
         blobs.update(files)
-        for rel, role in kernel_roles.items():
+        for rel, role in roles.items():
             blobs[role] = kernel_root / rel
         n_compiles = sum(c.compiled_here for c in compiled.values())
         steps, kernels = profile(compiled.values()), kernel_builds(compiled.values())
@@ -250,7 +250,7 @@ def _wrapper_role(c: inductor_compile.CompiledPiece, uid: str, size: int | None,
         warnings.append(f"piece {uid[:8]} ({what}) loads through Inductor at warm start "
                         f"(slower): {c.wrapper_note}")
         return None
-    return f"wrapper/{uid}/{size or 'dynamic'}"
+    return wrapper_role(uid, size)
 
 
 def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:

@@ -22,12 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from aotc.cache import AotcError, Store
+from aotc.records.program import KERNEL_PREFIX, artifact_role, kernel_role, wrapper_role
 
 __all__ = ["seed_from_store"]
-
-
-def _role(kind: str, uid: str, size: int | None) -> str:
-    return f"{kind}/{uid}/{size or 'dynamic'}"
 
 
 def _compatible(entry: Any, factors: dict[str, Any]) -> bool:
@@ -42,12 +39,12 @@ def _extract(store: Store, entry: Any, uid: str, size: int | None, out: Path) ->
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".seed", dir=work))
     try:
         result = partial / "result"
-        kernels = sorted(r.removeprefix("kernel/") for r in entry.blobs if r.startswith("kernel/"))
-        dests = {_role("artifact", uid, size): result / "artifact.bin"}
-        wrapper = _role("wrapper", uid, size)
+        kernels = sorted(r.removeprefix(KERNEL_PREFIX) for r in entry.blobs if r.startswith(KERNEL_PREFIX))
+        dests = {artifact_role(uid, size): result / "artifact.bin"}
+        wrapper = wrapper_role(uid, size)
         if wrapper in entry.blobs:
             dests[wrapper] = result / "wrapper.json"
-        dests.update({f"kernel/{rel}": result / "kernels" / rel for rel in kernels})
+        dests.update({kernel_role(rel): result / "kernels" / rel for rel in kernels})
         store.extract_blobs(entry, dests)
         sizes = {p.relative_to(result).as_posix(): p.stat().st_size for p in dests.values()}
         done = {"uid": uid, "size": size, "artifact": "artifact.bin", "kernel_files": kernels,
@@ -80,7 +77,7 @@ def seed_from_store(store: Store, work: Path, tasks: list[tuple[str, int | None]
         out = work / f"{uid}-{size or 'dyn'}"
         if (out / "done.json").is_file():
             continue
-        for key in store.keys_with_role(_role("artifact", uid, size)):
+        for key in store.keys_with_role(artifact_role(uid, size)):
             try:
                 entry = store.get(key, record=False)
             except AotcError:

@@ -15,6 +15,27 @@ from aotc.errors import LoadError
 from aotc.records.key import FORMAT_VERSION
 
 PROGRAM_ROLE = "program"
+KERNEL_PREFIX = "kernel/"
+
+
+def artifact_role(uid: str, size: int | None) -> str:
+    """The blob role of piece ``uid``'s Inductor artifact for ``size`` tokens (None: dynamic)."""
+    return f"artifact/{uid}/{size or 'dynamic'}"
+
+
+def wrapper_role(uid: str, size: int | None) -> str:
+    """The blob role of that artifact's fast-path record (``aotc._torch.wrapper``)."""
+    return f"wrapper/{uid}/{size or 'dynamic'}"
+
+
+def kernel_role(rel: str) -> str:
+    """The blob role of a kernel file at ``rel`` under the kernel root."""
+    return KERNEL_PREFIX + rel
+
+
+def kernel_roles(kernel_files: Any) -> dict[str, str]:
+    """Kernel file (relative path) -> its blob role, sorted by path."""
+    return {rel: kernel_role(rel) for rel in sorted(kernel_files)}
 
 
 @dataclass(frozen=True)
