@@ -246,8 +246,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         t = time.perf_counter()
         tasks = [(uid, size) for uid in first_of for size in shapes]
         shared = seed_from_store(store, claimed.path, tasks, factors)
-        compiled = compile_tasks(None, first_of, tasks, claimed.path, progress, options=options,
-                                 shared=shared)
+        compiled = compile_tasks(first_of, tasks, claimed.path, progress, options, shared=shared)
         kernel_root = Path(tmp) / "kernels"
         kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t

@@ -169,8 +169,8 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
         tasks = [(uid, size) for uid in first_of for size in shapes]
         resumed_source = resumed_from(claimed.path)
         shared = {} if force else seed_from_store(store, claimed.path, tasks, factors)
-        compiled = compile_tasks(manifest, first_of, tasks, claimed.path, progress, jobs=jobs,
-                                 shared=shared)
+        compiled = compile_tasks(first_of, tasks, claimed.path, progress, dict(manifest.inductor),
+                                 jobs=jobs, fork=True, shared=shared)
         kernel_files = merge_kernels(compiled.values(), kernel_root)
         seconds["compile"] = time.perf_counter() - t
         try:

@@ -32,7 +32,6 @@ from aotc._torch import forked, inductor_compile, kernel_batch
 from aotc.compile.forked_workers import ForkedWorker, TaskQueue
 from aotc.compile.split import Piece
 from aotc.errors import CompileError
-from aotc.manifest import Manifest
 from aotc.progress import Progress
 
 Task = tuple[str, "int | None"]
@@ -159,16 +158,16 @@ def _label(uid: str, size: int | None) -> str:
     return f"piece {uid[:8]} {'dynamic' if size is None else f'{size} tokens'}"
 
 
-def compile_tasks(manifest: Manifest | None, first_of: dict[str, Piece], tasks: list[Task], work: Path,
-                  progress: Progress, jobs: int = 1, options: dict[str, Any] | None = None,
+def compile_tasks(first_of: dict[str, Piece], tasks: list[Task], work: Path, progress: Progress,
+                  options: dict[str, Any], jobs: int = 1, fork: bool = False,
                   shared: dict[Task, str] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
-    """Compile every task; with ``jobs`` > 1, in that many processes (``jobs - 1`` forked
-    workers, see the module doc; only with a manifest — a graph the backend was handed compiles
-    inside a server's process, which is not forked — and not once CUDA is initialized).
-    ``options``: Inductor patches (default: the manifest's). ``shared``: the tasks seeded from
-    other stored entries (``aotc.compile.reuse``), for the progress line."""
-    options = dict(manifest.inductor) if manifest is not None else dict(options or {})
-    if manifest is None or len(tasks) > TaskQueue.LIMIT or not forked.fork_is_safe():
+    """Compile every task with Inductor patches ``options``; with ``fork`` and ``jobs`` > 1, in
+    that many processes (``jobs - 1`` forked workers, see the module doc; never once CUDA is
+    initialized — a graph the backend was handed compiles inside a server's process, which is
+    not forked: its caller says ``fork=False``). ``shared``: the tasks seeded from other stored
+    entries (``aotc.compile.reuse``), for the progress line."""
+    options = dict(options)
+    if not fork or len(tasks) > TaskQueue.LIMIT or not forked.fork_is_safe():
         jobs = 1
     results: dict[Task, inductor_compile.CompiledPiece] = {}
     lock = threading.Lock()
