@@ -176,9 +176,14 @@ class GraphProgram:
                 self.steps.append((n["name"], kind, fn, _compile_arg(n["args"])[1],
                                    _compile_arg(n["kwargs"])[1]))
 
+        self._compiled = _as_python(encoded)  # None: the interpreter below runs it
+
     def __call__(self, modules: Mapping[str, Callable[..., Any]], *args: Any) -> Any:
         if len(args) != len(self.placeholders):
             raise LoadError(f"graph takes {len(self.placeholders)} inputs, got {len(args)}")
+        if self._compiled is not None:
+            fn, fns, consts = self._compiled
+            return fn(modules, fns, consts, args)
         env: dict[str, Any] = dict(zip(self.placeholders, args))
         for name, kind, fn, a, k in self.steps:
             args_ = a(env)
@@ -191,3 +196,101 @@ class GraphProgram:
                 env[name] = fn(*args_, **kwargs)
         return self.output(env)
 
+
+
+_LITERALS = (bool, int, str, type(None))
+
+
+def _as_python(encoded: Encoded) -> tuple[Callable[..., Any], list[Any], list[Any]] | None:
+    """The graph as one Python function ``fn(modules, fns, consts, args)`` — a straight line of
+    calls, each value deleted after its last use, as FX's own codegen writes it — or None when
+    the graph has anything this writer does not know (the interpreter runs it then). Decoded
+    once: a call runs no per-node Python of ours."""
+    fns: list[Any] = []
+    consts: list[Any] = []
+    var: dict[str, str] = {}
+
+    def const(value: Any) -> str:
+        consts.append(value)
+        return f"_c[{len(consts) - 1}]"
+
+    def expr(a: Any) -> str:
+        if isinstance(a, dict):
+            if "$node" in a:
+                return var[a["$node"]]
+            if "$tuple" in a:
+                items = [expr(x) for x in a["$tuple"]]
+                return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+            if "$slice" in a:
+                return "slice(" + ", ".join(expr(x) for x in a["$slice"]) + ")"
+            if "$dict" in a:
+                return "{" + ", ".join(f"{k!r}: {expr(v)}" for k, v in a["$dict"].items()) + "}"
+            for tag, make in (("$dtype", lambda v: getattr(torch, v)), ("$device", torch.device),
+                              ("$memory_format", lambda v: getattr(torch, v))):
+                if tag in a:
+                    return const(make(a[tag]))
+            raise ValueError(f"unknown encoded argument {a!r}")
+        if isinstance(a, list):
+            return "[" + ", ".join(expr(x) for x in a) + "]"
+        if isinstance(a, _LITERALS):
+            return repr(a)
+        return const(a)  # floats (nan, inf) and anything else: by reference
+
+    try:
+        nodes = encoded["nodes"]
+        lines = ["def _stitched(_m, _f, _c, _a):"]
+        params = [n["name"] for n in nodes if n["op"] == "placeholder"]
+        for i, name in enumerate(params):
+            var[name] = f"p{i}"
+        if params:
+            lines.append("    " + ", ".join(var[n] for n in params) + ", = _a")
+        body = [n for n in nodes if n["op"] == "call"]
+        last_use: dict[str, int] = {}
+        for i, n in enumerate(body):
+            for ref in _node_refs(n["args"]) + _node_refs(n["kwargs"]):
+                last_use[ref] = i
+        output = next(n for n in nodes if n["op"] == "output")
+        kept = set(_node_refs(output["args"]))
+        for i, n in enumerate(body):
+            kind, _, what = n["target"].partition(":")
+            var[n["name"]] = f"v{i}"
+            args = [expr(x) for x in n["args"]["$tuple"]]
+            kwargs = [f"{k}={expr(v)}" for k, v in n["kwargs"]["$dict"].items()]
+            if any(not k.isidentifier() for k in n["kwargs"]["$dict"]):
+                return None
+            if kind == "mod":
+                call = f"_m[{what!r}]"
+            elif kind == "method":
+                if not what.isidentifier() or not args:
+                    return None
+                call, args = f"{args[0]}.{what}", args[1:]
+            elif kind == "op":
+                fns.append(_resolve_op(what))
+                call = f"_f[{len(fns) - 1}]"
+            elif kind == "fn":
+                fns.append(operator.getitem if what == "operator.getitem" else _resolve_fn(what))
+                call = f"_f[{len(fns) - 1}]"
+            else:
+                return None
+            lines.append(f"    v{i} = {call}({', '.join(args + kwargs)})")
+            dead = sorted({var[r] for r, at in last_use.items() if at == i and r not in kept
+                           and r in var})
+            if dead:
+                lines.append(f"    del {', '.join(dead)}")
+        lines.append(f"    return {expr(output['args'])}")
+        scope: dict[str, Any] = {}
+        exec(compile("\n".join(lines) + "\n", "<aotc stitch>", "exec"), scope)  # noqa: S102 - our own writer's text
+        return scope["_stitched"], fns, consts
+    except (KeyError, TypeError, ValueError, SyntaxError, StopIteration):
+        return None
+
+
+def _node_refs(a: Any) -> list[str]:
+    """The node names an encoded argument refers to."""
+    if isinstance(a, dict):
+        if "$node" in a:
+            return [a["$node"]]
+        return [r for v in a.values() for r in _node_refs(v)]
+    if isinstance(a, list):
+        return [r for x in a for r in _node_refs(x)]
+    return []
