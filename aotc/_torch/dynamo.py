@@ -155,7 +155,10 @@ def symint_hint(size: Any) -> int | None:
     hint = getattr(node, "hint", None)
     if hint is not None:
         return _as_int(hint)
-    try:
-        return _as_int(node.shape_env.size_hint(node.expr))
+    env = node.shape_env
+    try:  # torch >= 2.13 deprecates size_hint (a FutureWarning) for guarding_hint_or_throw
+        if hasattr(env, "guarding_hint_or_throw"):
+            return _as_int(env.guarding_hint_or_throw(node.expr))
+        return _as_int(env.size_hint(node.expr))
     except Exception:  # noqa: BLE001 - unbacked: no hint
         return None
