@@ -60,8 +60,21 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
         f"\n{len(s.entries)} entries, {s.size_on_disk_str} on disk, {len(s.orphan_blobs)} orphan "
         f"blobs, {s.hits} hits / {s.misses} misses, {len(s.warnings)} warnings ({s.root})"
     )
-    for w in s.warnings:
+    _echo_warnings(s.warnings, verbose)
+
+
+_SHOWN_WARNINGS = 20
+
+
+def _echo_warnings(warnings: Any, verbose: bool) -> None:
+    """The scan's warnings on stderr: the first 20 and how many more (all with ``-v``; ``--json``
+    lists them all) — a damaged store of 100,000 entries is not 100,000 lines."""
+    shown = list(warnings) if verbose else list(warnings)[:_SHOWN_WARNINGS]
+    for w in shown:
         click.echo(f"warning: {w}", err=True)
+    if len(warnings) > len(shown):
+        click.echo(f"warning: … and {len(warnings) - len(shown)} more (-v shows every one, "
+                   "--json lists them)", err=True)
 
 
 def _inspect_remote(app: AppContext, as_json: bool, verbose: bool) -> None:
@@ -75,8 +88,7 @@ def _inspect_remote(app: AppContext, as_json: bool, verbose: bool) -> None:
                else f"remote store {s.url} is empty")
     click.echo(f"\n{len(s.entries)} entries, {s.blob_count} blobs ({format_size(s.blob_bytes)}), "
                f"{s.orphan_blobs} unreferenced blobs, {len(s.warnings)} warnings ({s.url})")
-    for w in s.warnings:
-        click.echo(f"warning: {w}", err=True)
+    _echo_warnings(s.warnings, verbose)
 
 
 @click.command("verify")

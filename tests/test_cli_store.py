@@ -113,3 +113,21 @@ def test_installed_console_script(tmp_path: Path) -> None:
     out = subprocess.run([exe, "--store", str(tmp_path), "verify"], capture_output=True, text=True,
                          env=python_env(), timeout=60)
     assert out.returncode == 0 and "clean" in out.stdout
+
+
+def test_many_warnings_are_summed_up_unless_verbose(tmp_path: Path) -> None:
+    """30 entries with garbage metadata: 20 warning lines and how many more; -v shows all 30."""
+    store = _fill(tmp_path)
+    for i in range(30):
+        store.put(f"{i:064x}", f"e{i}", {"x": b"x"})
+    with store.index.write() as conn:
+        conn.execute("UPDATE entries SET metadata = 'not json' WHERE name LIKE 'e%'")
+    store.close()
+    res = CliRunner().invoke(cli, ["--store", str(tmp_path), "inspect", "cache"],
+                             catch_exceptions=False)
+    warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 21 and warnings[-1].startswith("warning: … and 10 more"), warnings[-1]
+    assert "30 warnings" in res.stdout
+    res = CliRunner().invoke(cli, ["--store", str(tmp_path), "inspect", "cache", "-v"],
+                             catch_exceptions=False)
+    assert len([ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]) == 30
