@@ -18,10 +18,16 @@ from aotc.cache.errors import (
 __all__ = [
     "AotcError", "CacheMiss", "CorruptedCacheError", "CorruptedIndexError", "StoreError",
     "StoreLockedError", "StoreNotFoundError", "StoreReadOnlyError",
-    "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
+    "SettingsError", "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
     "NumericMismatchError", "LoadError", "InputError", "RunError", "BackendError", "VllmError",
     "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "BundleError",
 ]
+
+
+class SettingsError(AotcError):
+    """An ``AOTC_*`` environment variable holds a value aotc cannot use; names the variable."""
+
+    exit_code = 2
 
 
 class ManifestError(AotcError):

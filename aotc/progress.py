@@ -1,26 +1,36 @@
-"""Progress on stderr: phase lines, and bars for pieces × shapes and for bytes moved (redrawn in
-place on a TTY)."""
+"""Progress of long work: phase lines, and bars for pieces × shapes and for bytes moved.
+
+The CLI passes its stream (stderr: bars redrawn in place on a TTY). Library callers pass none:
+then every line goes to the ``aotc.progress`` logger at INFO (a bar's steps at DEBUG, a transfer
+once per tenth), seen where the process shows aotc's INFO lines (``AOTC_LOG=info``)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import TextIO
 
+from aotc.log import logger
+
+_log = logger("progress")
+
 
 class Progress:
-    """Reports phases and steps. ``quiet`` silences it (the Python API default)."""
+    """Reports phases and steps to ``stream``, or to the ``aotc.progress`` logger when there is
+    none (module doc). ``quiet`` silences it."""
 
     def __init__(self, stream: TextIO | None = None, quiet: bool = False) -> None:
-        self.stream = stream or sys.stderr
+        self.stream = stream
         self.quiet = quiet
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self._t0 = time.perf_counter()
         self._open_bar = False
         self._last_tenth = -1
 
     def _write(self, text: str) -> None:
         if self.quiet:
+            return
+        if self.stream is None:
+            _log.info(text)
             return
         if self._open_bar:
             self.stream.write("\n")
@@ -61,6 +71,9 @@ class Progress:
 
     def step_line(self, line: str, last: bool) -> None:
         """Draw one progress line (in place on a TTY)."""
+        if self.stream is None:
+            _log.log(20 if last else 10, line.strip())  # INFO when done, DEBUG on the way
+            return
         if self.tty:
             self.stream.write("\r" + line.ljust(78))
             self._open_bar = not last

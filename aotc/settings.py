@@ -10,7 +10,8 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_S3_ENDPOINT`` | ``s3_endpoint`` | an S3-compatible endpoint (MinIO, Ceph, moto) instead of boto3's configuration |
 | ``AOTC_TRUST_KEYS`` | ``trust_keys`` | trusted public keys (hex, or files holding one; comma or space separated): a policy for every load, import and pull |
 | ``AOTC_LOADER`` | ``loader`` | ``inductor``: load every piece through ``CompiledArtifact.load`` instead of the fast path |
-| ``AOTC_PROGRESS`` | ``progress`` | ``1``: draw progress (pull-through transfers) even when stderr is not a terminal |
+| ``AOTC_PROGRESS`` | ``progress`` | ``1``: the same as ``AOTC_LOG=info`` (kept for scripts that set it) |
+| ``AOTC_LOG`` | ``log`` | ``debug``, ``info``, ``warning`` or ``error``: aotc's log lines at that level on stderr (:mod:`aotc.log`); unset: logging as the process configured it (warnings still reach stderr when nothing is configured) |
 | ``AOTC_SPLITTING_OPS`` | ``splitting_ops`` | the ``torch.compile`` backend's splitting ops (comma separated; default: vLLM's attention ops, aten SDPA, ``aotc::attention``) |
 | ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
@@ -29,7 +30,7 @@ __all__ = ["ENV", "Settings", "current", "is_remote_url"]
 ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
        "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS",
        "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES",
-       "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK"}
+       "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -52,19 +53,27 @@ class Settings:
     compile_sizes: str | None = None
     report: str | None = None
     fallback: str | None = None  # as written; checked by aotc.backend.config.fallback_policy
+    log: str | None = None  # a level name of aotc.log.LEVELS (AOTC_PROGRESS=1 means "info")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
-        """Read the variables once (``env`` default: the process environment)."""
+        """Read the variables once (``env`` default: the process environment). A bad ``AOTC_LOG``
+        raises :class:`~aotc.errors.SettingsError`."""
         env = os.environ if env is None else env
         text = {k: (env.get(v) or "").strip() or None for k, v in ENV.items()}
         loader = (text["loader"] or "fast").lower()
+        progress = (text["progress"] or "0").lower() not in ("0", "", "false", "no")
+        log = (text["log"] or ("info" if progress else "")).lower() or None
+        if log is not None and log not in ("debug", "info", "warning", "error"):
+            from aotc.errors import SettingsError
+
+            raise SettingsError(f"AOTC_LOG={text['log']!r}: use debug, info, warning or error")
         xdg = env.get("XDG_CACHE_HOME")
         return cls(
             store=text["store"], remote=text["remote"], s3_endpoint=text["s3_endpoint"],
             trust_keys=tuple(t for t in (text["trust_keys"] or "").replace(",", " ").split() if t),
             loader="inductor" if loader == "inductor" else "fast",
-            progress=(text["progress"] or "0").lower() not in ("0", "", "false", "no"),
+            progress=progress, log=log,
             cache_home=Path(xdg).expanduser() if xdg else None,
             splitting_ops=text["splitting_ops"], compile_sizes=text["compile_sizes"],
             report=text["report"], fallback=text["fallback"],

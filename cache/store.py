@@ -17,8 +17,8 @@ entry bad and raises ``CorruptedCacheError``.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -105,8 +105,9 @@ class Store:
         if self.read_only:
             if str(self.root) not in _ANNOUNCED_READ_ONLY:
                 _ANNOUNCED_READ_ONLY.add(str(self.root))
-                sys.stderr.write(f"aotc: store {self.root} is read-only: serving from it; hits and "
-                                 "last-use times are not recorded\n")
+                logging.getLogger("aotc.cache").warning(
+                    f"aotc: store {self.root} is read-only: serving from it; hits and last-use "
+                    "times are not recorded")
         else:
             try:
                 self.blobs_dir.mkdir(parents=True, exist_ok=True)

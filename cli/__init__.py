@@ -34,9 +34,12 @@ __all__ = ["cli", "main"]
 def cli(ctx: click.Context, store_path: str | None, remote_url: str | None,
         endpoint_url: str | None) -> None:
     """aotc: compile a PyTorch model ahead of time, keep the artifacts in a store, warm-start fast."""
+    from aotc.log import configure
     from aotc.settings import current
 
-    ctx.obj = AppContext(store_path, remote_url, endpoint_url, settings=current())
+    settings = current()
+    configure(settings.log or "warning")  # the library's warnings, one line each on stderr
+    ctx.obj = AppContext(store_path, remote_url, endpoint_url, settings=settings)
 
 
 cli.add_command(inspect_group)

@@ -3,6 +3,7 @@ the store commands stay torch-free)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
@@ -51,12 +52,12 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
     m = load_manifest(manifest)  # a bad manifest fails before the store is touched
     store = _store_for(ctx, m, create=True)
     remote = app.remote() if app.store_is_remote else None  # `--store s3://…`: publish there
-    result = compile_manifest(m, store=store, force=force, progress=Progress(quiet=quiet), jobs=jobs)
+    result = compile_manifest(m, store=store, force=force, progress=Progress(sys.stderr, quiet=quiet), jobs=jobs)
     pushed = None
     if remote is not None:
         from aotc.fleet.sync import push_entry
 
-        pushed = push_entry(store, remote, result.key, progress=Progress(quiet=quiet or as_json))
+        pushed = push_entry(store, remote, result.key, progress=Progress(sys.stderr, quiet=quiet or as_json))
     _print_result(result, pushed, as_json)
 
 

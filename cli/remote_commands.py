@@ -56,7 +56,7 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
     for k in keys:
         try:
             results.append(push_entry(store, remote, k, force=force,
-                                      progress=Progress(quiet=quiet or as_json)))
+                                      progress=Progress(sys.stderr, quiet=quiet or as_json)))
         except (CacheMiss, CorruptedCacheError) as e:
             if target:  # the one entry asked for: its error is the answer
                 raise
@@ -96,7 +96,7 @@ def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str
 
     remote = app.remote(url, required="pull")
     store, trusted = app.writable_store, trust_policy(trust)
-    progress = Progress(quiet=quiet or as_json)
+    progress = Progress(sys.stderr, quiet=quiet or as_json)
     if Path(target).is_file():
         from aotc.lookup.toolchain import machine_factors
         from aotc.manifest import load_manifest

@@ -47,6 +47,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
     return res
 
 
+def aotc_warnings(caplog) -> list[str]:
+    """The warning lines aotc logged (its ``aotc`` logger and children), in order."""
+    import logging
+
+    return [r.getMessage() for r in caplog.records
+            if r.name.split(".")[0] == "aotc" and r.levelno >= logging.WARNING]
+
+
 def copy_store(src: Path, dst: Path) -> None:
     """Copy a store directory in a CHILD process: copying opens and closes the sqlite files, and
     closing any descriptor of a file drops every POSIX lock this process holds on it — including

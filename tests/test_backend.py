@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PYTHON, ROOT, python_env, run_cli
+from tests.conftest import PYTHON, ROOT, aotc_warnings, python_env, run_cli
 
 HELPER = ROOT / "tests" / "helpers" / "backend_run.py"
 
@@ -30,7 +30,7 @@ def test_torch_lists_the_aotc_backend() -> None:
     assert "aotc" in torch._dynamo.list_backends()
     from torch._dynamo.backends.registry import lookup_backend
 
-    from aotc.backend import aotc_backend
+    from aotc.backend.serve import aotc_backend
 
     assert lookup_backend("aotc") is aotc_backend
 
@@ -39,11 +39,11 @@ def test_aotc_backend_is_callable_as_the_issue_writes_it() -> None:
     import aotc
 
     configured = aotc.backend(store="/nowhere", compile_sizes=[8, 1], tolerance=(1e-3, 1e-2))
-    import aotc.backend as pkg
+    from aotc.backend.serve import AotcBackend  # imported after: aotc.backend stays the function
 
     again = aotc.backend(compile_sizes="4")
     assert configured.config.compile_sizes == (1, 8) and configured.config.atol == 1e-3
-    assert again.config.compile_sizes == (4,) and pkg.backend is not None
+    assert again.config.compile_sizes == (4,) and type(again) is AotcBackend
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -55,15 +55,15 @@ def test_aotc_backend_is_callable_as_the_issue_writes_it() -> None:
     ({"inductor": ["max_autotune"]}, "dict of Inductor config patches"),
 ])
 def test_bad_backend_arguments_are_named(kwargs: dict, words: str) -> None:
-    import aotc.backend
+    import aotc
     from aotc.errors import BackendError
 
     with pytest.raises(BackendError, match=words):
-        aotc.backend.backend(**kwargs)
+        aotc.backend(**kwargs)
 
 
 def test_unknown_torch_compile_options_are_named() -> None:
-    from aotc.backend import aotc_backend
+    from aotc.backend.serve import aotc_backend
     from aotc.errors import BackendError
 
     with pytest.raises(BackendError, match="aotc.backend's arguments"):
@@ -142,7 +142,7 @@ def test_a_second_fresh_process_compiles_nothing_and_matches_eager(
         what: str, tmp_path: Path, compiled) -> None:
     tmp, _store, _results = compiled
     model = "toy" if what == "toy" else str(tmp / "hf-model")  # written by the session fixture
-    env = {**python_env(), "AOTC_STORE": str(tmp_path / "store"),
+    env = {**python_env(), "AOTC_STORE": str(tmp_path / "store"), "AOTC_LOG": "info",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cold")}
     cold = _run(model, env)
     assert max(cold["errors"].values()) < 1e-3, cold["errors"]
@@ -173,7 +173,7 @@ def test_a_bad_vllm_manifest_names_the_field(tmp_path: Path) -> None:
     assert "vllm.max_model_len: must be a positive integer" in res.stderr
 
 
-def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, capfd) -> None:
+def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, caplog) -> None:
     """An entry compiled here would be unsigned, so the policy would refuse it after minutes of
     compiling: the backend says so at once, compiling nothing of its own — raising under
     ``fallback="error"``, else Inductor serves the graph with one warning line naming why."""
@@ -192,11 +192,11 @@ def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, ca
     assert isinstance(e.value.__cause__ or e.value, TrustError) or "trust policy" in str(e.value)
     assert COUNTERS.compiles == before
     torch._dynamo.reset()
-    capfd.readouterr()
+    caplog.clear()
     served = torch.compile(lambda x: torch.relu(x) * 3,
                            backend=aotc.backend(store=str(tmp_path / "store"), trust=[public]))
     assert torch.equal(served(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 6.0]))
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("aotc:")]
+    lines = aotc_warnings(caplog)
     assert len(lines) == 1 and "TrustError" in lines[0] and "inductor runs it instead" in lines[0]
     assert COUNTERS.compiles == before
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from aotc._torch.kernel_checks import guard_checks
+from tests.conftest import aotc_warnings
 
 _KERNEL = '''
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -153,7 +154,7 @@ def _unkeyable_fn():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["inductor", "eager", "error"])
-def test_a_graph_aotc_cannot_key_falls_back_with_one_line(tmp_path: Path, capfd, policy: str) -> None:
+def test_a_graph_aotc_cannot_key_falls_back_with_one_line(tmp_path: Path, caplog, policy: str) -> None:
     import aotc
     from aotc.counters import COUNTERS
 
@@ -167,14 +168,14 @@ def test_a_graph_aotc_cannot_key_falls_back_with_one_line(tmp_path: Path, capfd,
             fn(x)
         return
     assert torch.equal(fn(x), torch.tensor([1.0, 7.0]))
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("aotc:")]
+    lines = aotc_warnings(caplog)
     assert len(lines) == 1 and "not served by aotc (BackendError:" in lines[0], lines
     assert f"{policy} runs it instead" in lines[0] and "no stable name" in lines[0]
     assert COUNTERS.compiles == before
 
 
 @pytest.mark.slow
-def test_a_damaged_entry_falls_back_to_inductor_and_is_never_used(tmp_path: Path, capfd) -> None:
+def test_a_damaged_entry_falls_back_to_inductor_and_is_never_used(tmp_path: Path, caplog) -> None:
     import aotc
     from aotc.cache import Store
 
@@ -194,10 +195,10 @@ def test_a_damaged_entry_falls_back_to_inductor_and_is_never_used(tmp_path: Path
     path.chmod(0o644)
     path.write_bytes(b"\x28\xb5\x2f\xfd" + b"damaged")
     torch._dynamo.reset()
-    capfd.readouterr()
+    caplog.clear()
     again = aotc.backend(store=str(store))
     assert torch.allclose(torch.compile(fn, backend=again)(x), want)
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("aotc:")]
+    lines = aotc_warnings(caplog)
     assert len(lines) == 1 and "not served by aotc" in lines[0] and key[:16] in lines[0], lines
     assert again.last["fallback"] == "inductor"
 
@@ -221,7 +222,7 @@ def test_compiling_a_stateful_graph_moves_its_state_as_eager_does(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_a_failed_numeric_check_falls_back_and_stores_nothing(tmp_path: Path, capfd) -> None:
+def test_a_failed_numeric_check_falls_back_and_stores_nothing(tmp_path: Path, caplog) -> None:
     """Random numbers drawn in the graph: the compiled program cannot agree with the graph run
     eagerly, so nothing is stored and Inductor serves the graph."""
     import aotc
@@ -230,7 +231,7 @@ def test_a_failed_numeric_check_falls_back_and_stores_nothing(tmp_path: Path, ca
     torch._dynamo.reset()
     fn = torch.compile(lambda x: x + torch.randn_like(x), backend=aotc.backend(store=str(tmp_path / "s")))
     assert fn(torch.zeros(64)).shape == (64,)
-    lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("aotc:")]
+    lines = aotc_warnings(caplog)
     assert len(lines) == 1 and "not served by aotc (NumericMismatchError:" in lines[0], lines
     s = Store(tmp_path / "s")
     try:
@@ -257,3 +258,33 @@ def test_a_piece_gets_its_inputs_in_the_layout_it_was_compiled_for() -> None:
     assert in_layouts((one,), [(0, (0, 1, 2))], memo)[0] is one
     args = (fine, weight, fine)
     assert in_layouts(args, layouts, memo) is args  # nothing copied: the same tuple back
+
+
+def test_a_process_that_configures_no_logging_sees_aotc_warnings_only(tmp_path: Path) -> None:
+    """The library prints nothing itself: in a fresh process that configures no logging, a
+    fallback's warning still reaches stderr (Python's last resort, one line), the per-graph INFO
+    line does not — until the operator asks with ``AOTC_LOG=info``."""
+    from tests.conftest import PYTHON, python_env
+
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        import torch, aotc
+        sys.path.insert(0, sys.argv[2])
+        from tests.test_backend_safety import _unkeyable_fn
+        backend = aotc.backend(store=sys.argv[1])
+        torch.compile(_unkeyable_fn(), backend=backend)(torch.ones(2))
+        print("--- AOTC_LOG=info", file=sys.stderr, flush=True)
+        os.environ["AOTC_LOG"] = "info"
+        torch.compile(lambda x: torch.relu(x) * 2, backend=backend)(torch.ones(3))
+    """))
+    env = {k: v for k, v in python_env().items() if k not in ("AOTC_LOG", "AOTC_PROGRESS")}
+    done = subprocess.run([PYTHON, str(script), str(tmp_path / "s"), str(Path(__file__).parents[1])],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stderr.split("--- AOTC_LOG=info")
+    quiet = [ln for ln in before.splitlines() if ln.startswith("aotc:")]
+    assert len(quiet) == 1 and "not served by aotc (BackendError:" in quiet[0], before[-2000:]
+    told = [ln for ln in after.splitlines() if ln.startswith("aotc:")]
+    assert any(ln.startswith("aotc: graph ") and " miss: compiled " in ln for ln in told), after[-2000:]
+    assert "[" in after and "] split:" in after  # progress lines at INFO too

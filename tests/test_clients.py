@@ -40,7 +40,7 @@ def corpus(tmp_path_factory) -> dict[str, Any]:
     """Every case cold (empty store), then warm in a fresh process with an empty Inductor dir,
     then the out-of-vocabulary case warm through Inductor's own loader."""
     tmp = tmp_path_factory.mktemp("clients")
-    env = {**python_env(), "AOTC_STORE": str(tmp / "store"), "AOTC_FALLBACK": "error",
+    env = {**python_env(), "AOTC_STORE": str(tmp / "store"), "AOTC_FALLBACK": "error", "AOTC_LOG": "info",
            "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-cold")}
     cold = _run(CASES, env)
     warm_dir = tmp / "inductor-warm"
@@ -76,6 +76,7 @@ def test_the_warm_process_compiles_nothing_and_writes_no_kernels(corpus: dict[st
     assert c["compiles"] == 0 and c["inductor_compiles"] == 0, c
     assert c["fast_loads"] == c["loads"] > 0, c
     assert " miss" not in corpus["warm"]["stderr"] and "not served by aotc" not in corpus["warm"]["stderr"]
+    assert "hit: loaded from the store" in corpus["warm"]["stderr"]  # the INFO lines are on (AOTC_LOG)
     kernels = [p for p in Path(corpus["warm_dir"]).rglob("*") if p.suffix in (".so", ".cpp")]
     assert kernels == [], kernels[:5]
 

@@ -84,7 +84,7 @@ def test_vllm_openai_server_with_the_aotc_backend_answers_as_eager(tmp_path: Pat
     eager, _ = _serve(tmp_path, "eager", model, ["--enforce-eager"])
     aotc, log = _serve(tmp_path, "aotc", model,
                        ["--compilation-config", json.dumps({"mode": 2, "backend": "aotc"})],
-                       AOTC_STORE=str(store))
+                       AOTC_STORE=str(store), AOTC_LOG="info")
 
     # 12 tokens each (the seeded weights emit no EOS here), decoded by the word tokenizer
     assert all(a["finish_reason"] == "length" and len(a["token_ids"]) == MAX_TOKENS for a in eager), eager

@@ -33,43 +33,14 @@ from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
 from aotc._torch.inductor_load import kernel_files as _kernel_files
 from aotc._torch.isa_probes import isa_probe_files, seed_isa_probes
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs
+from aotc._torch.task_result import CompiledPiece
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
 
-__all__ = ["CompiledPiece", "PendingPiece", "build_kernels", "compile_piece", "finish_piece",
+__all__ = ["PendingPiece", "build_kernels", "compile_piece", "finish_piece",
            "piece_cache_key", "start_piece", "static_example_inputs"]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
-@dataclasses.dataclass(frozen=True)
-class CompiledPiece:
-    """One compiled artifact of one piece, for one size (``None`` = dynamic).
-
-    ``artifact``: the ``standalone_compile`` binary artifact file; ``kernel_root``: the
-    directory the kernel files are relative to; ``kernel_files``: sorted relative paths (POSIX)
-    to store with the artifact and restore under one root before :func:`load_piece`;
-    ``key``: :func:`piece_cache_key` of this compile; ``seconds``: wall time of the compile.
-    """
-
-    artifact: Path
-    kernel_root: Path
-    kernel_files: tuple[str, ...]
-    size: int | None
-    key: str
-    seconds: float
-    wrapper: Path | None = None  # the fast-path record (aotc._torch.wrapper), when the piece qualifies
-    wrapper_note: str = ""  # why it does not
-    resumed: bool = False  # found finished in the work directory: an interrupted compile of this key
-    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # seconds by step (a profile)
-    # kernel libraries: "built" by this compile, "pooled" taken from the job's kernel pool
-    kernels: dict[str, int] = dataclasses.field(default_factory=dict)
-    shared: bool = False  # taken from another stored entry (aotc.compile.reuse), not compiled
-
-    @property
-    def compiled_here(self) -> bool:
-        """Whether this run compiled it (neither resumed nor shared)."""
-        return not (self.resumed or self.shared)
-
-
 def _sc_module() -> Any:
     # ``torch._inductor.standalone_compile`` the attribute is the function; get the module.
     return importlib.import_module("torch._inductor.standalone_compile")

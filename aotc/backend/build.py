@@ -15,10 +15,8 @@ token dims narrowed from the traced example (a size above it cannot be made and 
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,21 +24,18 @@ import torch.fx
 
 from aotc._torch import dynamo, inductor_compile, isa_probes
 from aotc._torch.ops import mutated_args
-from aotc.cache import workdirs
+from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, piece_uid
-from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import SplitResult, split
-from aotc.compile.workers import artifact_files, compile_tasks, discard, merge_kernels, note_check_failed
-from aotc.errors import AotcError, NumericMismatchError
+from aotc.errors import NumericMismatchError
 from aotc.lookup.toolchain import fingerprint
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
-from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot, artifact_role, kernel_roles, wrapper_role
-from aotc.runtime.checking import flat_tensors, same, tensor_errors
+from aotc.records.program import Program, Slot
+from aotc.runtime.checking import NumericReport, compare_outputs, flat_tensors
 from aotc.runtime.graphcall import GraphRunner
-from aotc.runtime.rehydrate import rehydrate
 
-__all__ = ["build_entry", "graph_slots"]
+__all__ = ["build_entry", "float_dtype", "graph_slots"]
 
 
 def graph_slots(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Slot, ...]:
@@ -86,7 +81,8 @@ def _is_fake(t: torch.Tensor) -> bool:
     return type(t).__name__ == "FakeTensor" or t.device.type == "meta"
 
 
-def _float_dtype(example_inputs: Sequence[Any]) -> torch.dtype:
+def float_dtype(example_inputs: Sequence[Any]) -> torch.dtype:
+    """The dtype of the first floating-point tensor input (float32 when there is none)."""
     for x in example_inputs:
         if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
             return x.dtype
@@ -177,49 +173,28 @@ def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
     if traced is not None:
         wanted += [n for n in sorted({*sizes, min(3, traced)}) if n != traced]
     zero = _zeroed_outputs(parts)
-    per_size: dict[str, Any] = {}
-    failures: list[str] = []
+    report = NumericReport(atol, rtol)
     skipped: list[int] = []
     for n in wanted:
         inputs = _at_size(gm, base, n)
         if inputs is None:
             skipped.append(int(n or 0))
             continue
-        label = str(traced if n is None else n) if traced is not None else "static"
         with torch.no_grad():
             want, theirs = _run(reference, inputs, zero)
             got, mine = _run(runner, inputs, zero)
-        pairs = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(got, want))]
-        if len(got) != len(want):
-            failures.append(f"{label} tokens: {len(got)} outputs, eager has {len(want)}")
-        pairs += [(f"input {i} (written in place)", m, t) for i, (x, m, t)
-                  in enumerate(zip(inputs, mine, theirs))
-                  if isinstance(x, torch.Tensor) and not (same(m, x) and same(t, x))]
-        worst_abs = worst_rel = 0.0
-        for what, g, w in pairs:
-            if not isinstance(w, torch.Tensor):
-                continue
-            a, r, ok = tensor_errors(g, w, atol, rtol)
-            worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
-            if not ok:
-                failures.append(f"{label} tokens, {what}: max abs err {a:.3g}")
-        per_size[label] = {"max_abs_err": worst_abs, "max_rel_err": worst_rel}
-    if failures:
-        raise NumericMismatchError(
-            f"compiled graph differs from the graph run eagerly beyond atol={atol}, rtol={rtol}: "
-            + "; ".join(failures[:6]) + "; nothing was stored (pass aotc.backend(tolerance=…) "
-            "or check the model)")
-    worst = max((v["max_abs_err"] for v in per_size.values()), default=0.0)
-    return {"sizes": per_size, "max_abs_err": worst, "atol": atol, "rtol": rtol,
-            "skipped_sizes": skipped}
+        label = str(traced if n is None else n) if traced is not None else "static"
+        report.add(label, compare_outputs(got, want, inputs, mine, theirs, atol, rtol))
+    return report.finish("compiled graph differs from the graph run eagerly",
+                         "pass aotc.backend(tolerance=…) or check the model", skipped_sizes=skipped)
 
 
 def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: Any, key: str,
                 factors: dict[str, Any], *, name: str, ops: Sequence[str], sizes: Sequence[int],
                 options: dict[str, Any], atol: float, rtol: float,
                 progress: Progress) -> dict[str, Any]:
-    """Compile, check and store the program of ``gm`` under ``key`` (module doc); returns the
-    entry's metadata. Nothing is stored when a step fails."""
+    """Split ``gm``, then the compile core (:func:`aotc.compile.core.build`) with the graph's
+    own check (module doc); returns the entry's metadata. Nothing is stored when a step fails."""
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
@@ -233,70 +208,28 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
             first_of.setdefault(uid, p)
     slots = graph_slots(gm, example_inputs)
     dynamic = any(s.kind == "symbol" or s.dim is not None for s in slots)
-    shapes: list[int | None] = [None, *sizes] if dynamic else [None]
     seconds["split"] = time.perf_counter() - t
     progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
     for w in parts.warnings:
         progress.note(w)
-    with workdirs.claim(store.tmp_dir, key[:32]) as claimed, \
-            tempfile.TemporaryDirectory(prefix="run-", dir=claimed.path) as tmp:
-        if store.has(key):  # a concurrent compile (another rank, replica) stored it meanwhile
-            claimed.finished()
-            return dict(store.get(key, record=False).metadata)
-        t = time.perf_counter()
-        tasks = [(uid, size) for uid in first_of for size in shapes]
-        shared = seed_from_store(store, claimed.path, tasks, factors)
-        compiled = compile_tasks(first_of, tasks, claimed.path, progress, options, shared=shared)
-        kernel_root = Path(tmp) / "kernels"
-        kernel_files = merge_kernels(compiled.values(), kernel_root)
-        seconds["compile"] = time.perf_counter() - t
-        t = time.perf_counter()
-        artifacts = [ArtifactRecord(uid, size, artifact_role(uid, size),
-                                    None if compiled[(uid, size)].wrapper is None
-                                    else wrapper_role(uid, size))
-                     for (uid, size) in tasks]
-        roles = kernel_roles(kernel_files)
-        program = Program(
-            name=name, device=device,
-            dtype=str(_float_dtype(example_inputs)).removeprefix("torch."), slots=slots, inputs=(),
-            stitch=encode_graph(parts.stitch),
-            pieces=piece_records(parts, uid_of),
-            artifacts=tuple(artifacts), kernel_roles=roles, compile_sizes=tuple(sizes if dynamic else ()),
-            capture_sizes=(), max_tokens=0, dynamic_mode="backed" if dynamic else "static",
-            min_dynamic_tokens=1, source_files={})
-        files: dict[str, Any] = dict(artifact_files(artifacts, compiled))
-        try:
-            progress.phase("check", "reload the artifacts, compare with the graph run eagerly")
-            with dynamo.outside_trace():
-                by_uid = rehydrate(program, files, kernel_root, options)
-                runner = GraphRunner(program, by_uid, key)
-                reference = GraphRunner(program, {}, key, modules={p.name: p.gm for p in parts.pieces
-                                                                   if not p.is_splitting})
-                numerics = check(runner, reference, gm, example_inputs, parts, sizes if dynamic else (),
-                                 atol, rtol)
-        except AotcError as e:
-            discard(claimed.path, [task for task, c in compiled.items() if not c.compiled_here])
-            if isinstance(e, NumericMismatchError):
-                note_check_failed(claimed.path, str(e))
-            raise
-        from dataclasses import replace
+    program = Program(
+        name=name, device=device, dtype=str(float_dtype(example_inputs)).removeprefix("torch."),
+        slots=slots, inputs=(), stitch=encode_graph(parts.stitch),
+        pieces=piece_records(parts, uid_of), artifacts=(), kernel_roles={},
+        compile_sizes=tuple(sizes if dynamic else ()), capture_sizes=(), max_tokens=0,
+        dynamic_mode="backed" if dynamic else "static", min_dynamic_tokens=1, source_files={})
+    eager_pieces = {p.name: p.gm for p in parts.pieces if not p.is_splitting}
 
-        program = replace(program, numerics=numerics)
-        seconds["check"] = time.perf_counter() - t
-        t = time.perf_counter()
-        blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json(), **files}
-        for rel, role in roles.items():
-            blobs[role] = kernel_root / rel
-        metadata = {
-            "kind": "graph", "pieces": len(parts.pieces), "unique_pieces": len(first_of),
-            "compiles": sum(c.compiled_here for c in compiled.values()), "shared": len(shared),
-            "shared_from": sorted(set(shared.values())),
-            "shapes": ["dynamic" if s is None else str(s) for s in shapes], "numerics": numerics,
-            "torch": factors["toolchain"].get("torch"), "device": program.device,
-            "warnings": list(parts.warnings), "seconds": {k: round(v, 3) for k, v in seconds.items()},
-        }
-        entry = store.put(key, name, blobs, factors=factors, metadata=metadata)
-        seconds["store"] = time.perf_counter() - t
-        claimed.finished()
-    progress.phase("stored", f"key {key[:16]}… ({entry.stored_size} bytes in {len(entry.blobs)} blobs)")
-    return metadata
+    def graph_check(prog: Program, by_uid: dict[str, dict[int | None, Any]]) -> dict[str, Any]:
+        runner = GraphRunner(prog, by_uid, key)
+        reference = GraphRunner(prog, {}, key, modules=eager_pieces)
+        return check(runner, reference, gm, example_inputs, parts, sizes if dynamic else (), atol, rtol)
+
+    job = Job(key=key, name=name, factors=factors, first_of=first_of,
+              shapes=[None, *sizes] if dynamic else [None], options=options, program=program,
+              check=graph_check, metadata={"kind": "graph", "warnings": list(parts.warnings)},
+              around_check=dynamo.outside_trace)
+    built = build(store, job, progress, seconds)
+    for w in built.warnings:
+        progress.note(w)
+    return dict(built.entry.metadata)

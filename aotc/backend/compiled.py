@@ -30,34 +30,31 @@ _FORMAT = 1
 
 def load_graph_program(key: str, store: Any = None, remote: Any = None, trust: Any = (),
                        timings: Timings | None = None) -> GraphRunner:
-    """The stored program of a graph by its key, ready to call: local store (``AOTC_STORE``
-    default), else pulled from ``remote`` (``AOTC_REMOTE``) verified; trust policy enforced."""
-    from aotc.cache import CacheMiss
+    """The stored program of a graph by its key, ready to call, from the tiered store
+    (:mod:`aotc.fleet.tiered`): ``store`` (a ``TieredStore``, or what ``open_tiered`` takes;
+    default ``AOTC_STORE``), pulled through from ``remote`` (``AOTC_REMOTE``) on a local miss,
+    verified; trust policy enforced."""
+    from aotc.fleet.tiered import TieredStore, open_tiered
     from aotc.fleet.trust import trust_policy
-    from aotc.lookup.stores import open_store, split_store
     from aotc.runtime.loader import rehydrate_entry
     from aotc.settings import current
 
     timings = timings or Timings()
-    settings = current()
-    trusted = trust_policy(trust, settings)
-    local, rem = split_store(store, remote, settings)
-    st = open_store(local, create=rem is not None, settings=settings)
-    t = time.perf_counter()
-    if not st.has(key):
-        if rem is None:
-            raise CacheMiss(key, hint=f"the store {st.root} has no entry {key[:16]}… for this graph "
-                                      "(compiled on another machine? set AOTC_REMOTE to pull it)")
-        from aotc.fleet.sync import pull_entry
-
-        pulled = pull_entry(rem, st, key, trusted)
-        timings.pulled_bytes = pulled.bytes_moved
+    if isinstance(store, TieredStore):
+        tiered = store
+    else:
+        settings = current()
+        tiered = open_tiered(store, remote, trust_policy(trust, settings), settings)
+    before, t = tiered.pulled_bytes, time.perf_counter()
+    entry = tiered.get(key, miss_hint=f"the store {tiered.local.root} has no entry {key[:16]}… for "
+                                      "this graph (compiled on another machine? set AOTC_REMOTE to pull it)")
+    if tiered.pulled_bytes > before:
+        timings.pulled_bytes = tiered.pulled_bytes - before
         timings.add("pull", time.perf_counter() - t)
-    entry = st.get(key)
-    _check_machine(entry, st)
+    _check_machine(entry, tiered.local)
     COUNTERS.cache_hits += 1
-    program, by_uid = rehydrate_entry(entry, st, timings, entry.factors.get("inductor", {}).get("patches", {}),
-                                      trusted)
+    program, by_uid = rehydrate_entry(entry, tiered.local, timings,
+                                      entry.factors.get("inductor", {}).get("patches", {}), tiered.trusted)
     return GraphRunner(program, by_uid, key=key, timings=timings)
 
 

@@ -21,10 +21,10 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
-from aotc._torch import forked, inductor_compile
+from aotc._torch import forked
+from aotc._torch.task_result import CompiledPiece
 from aotc.counters import COUNTERS
 from aotc.errors import CompileError
 
@@ -35,22 +35,13 @@ Compile = Callable[[Iterable[Task], Callable[..., None]], None]
 __all__ = ["ForkedWorker", "TaskQueue"]
 
 
-def _to_json(uid: str, c: inductor_compile.CompiledPiece) -> str:
-    return json.dumps({"uid": uid, "size": c.size, "artifact": str(c.artifact),
-                       "kernel_root": str(c.kernel_root), "kernel_files": list(c.kernel_files),
-                       "key": c.key, "seconds": c.seconds,
-                       "wrapper": None if c.wrapper is None else str(c.wrapper),
-                       "wrapper_note": c.wrapper_note, "resumed": c.resumed, "phases": c.phases,
-                       "kernels": c.kernels})
+def _to_json(uid: str, c: CompiledPiece) -> str:
+    return json.dumps({**c.to_json(), "uid": uid})
 
 
-def _from_json(line: str) -> tuple[Task, inductor_compile.CompiledPiece]:
+def _from_json(line: str) -> tuple[Task, CompiledPiece]:
     d = json.loads(line)
-    return (d["uid"], d["size"]), inductor_compile.CompiledPiece(
-        Path(d["artifact"]), Path(d["kernel_root"]), tuple(d["kernel_files"]), d["size"], d["key"],
-        float(d["seconds"]), None if d.get("wrapper") is None else Path(d["wrapper"]),
-        str(d.get("wrapper_note", "")), bool(d.get("resumed", False)), dict(d.get("phases") or {}),
-        dict(d.get("kernels") or {}))
+    return (d["uid"], d["size"]), CompiledPiece.from_json(d)
 
 
 class TaskQueue:
@@ -165,7 +156,7 @@ def _child_main(compile_here: Compile, queue: TaskQueue, out_fd: int, log_fd: in
         _die_with_parent(parent)
         forked.after_fork_in_child()
         with os.fdopen(out_fd, "w") as out:
-            def report(task: Task, c: inductor_compile.CompiledPiece, *_: Any) -> None:
+            def report(task: Task, c: CompiledPiece, *_: Any) -> None:
                 out.write(_to_json(task[0], c) + "\n")
                 out.flush()
 

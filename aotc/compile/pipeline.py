@@ -8,28 +8,16 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import header_build, inductor_compile, isa_probes
-from aotc.cache import StoreReadOnlyError, workdirs
+from aotc._torch import header_build, isa_probes
+from aotc.cache import StoreReadOnlyError
+from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, trace_and_split
-from aotc.compile.reuse import seed_from_store
-from aotc.compile.workers import (
-    artifact_files,
-    compile_tasks,
-    discard,
-    kernel_builds,
-    merge_kernels,
-    note_check_failed,
-    profile,
-    resumed_from,
-)
-from aotc.errors import AotcError, NumericMismatchError
+from aotc.errors import AotcError
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.lookup.stores import as_manifest, open_store
 from aotc.lookup.toolchain import fingerprint, machine_factors
@@ -40,9 +28,8 @@ from aotc.model.state import named_buffers, named_tensors
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
 from aotc.records.key import compute_key
-from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, Slot, artifact_role, kernel_roles, wrapper_role
-from aotc.runtime.checking import compare_runs
-from aotc.runtime.rehydrate import rehydrate
+from aotc.records.program import Program, Slot
+from aotc.runtime.checking import NumericReport, compare_runs
 from aotc.runtime.runner import Runner
 
 
@@ -93,28 +80,18 @@ def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, A
     """Compare the stitched program with eager at ``check_sizes``; raise above tolerance.
     Both run from the same state; buffers a stateful forward writes are compared too
     (:mod:`aotc.runtime.checking`)."""
-    per_size: dict[str, dict[str, float]] = {}
-    failures = []
     tol = manifest.tolerance
+    report = NumericReport(tol.atol, tol.rtol)
     buffers = named_buffers(unwrap(model))
     mutated: set[str] = set()
     for n in check_sizes(manifest):
         if n < runner.program.min_dynamic_tokens and n not in manifest.compile_sizes:
             continue
-        inputs = make_inputs(manifest, n, seed=1)
-        c = compare_runs(runner, model, inputs, buffers, tol.atol, tol.rtol)
+        c = compare_runs(runner, model, make_inputs(manifest, n, seed=1), buffers, tol.atol, tol.rtol)
         mutated |= c.mutated
-        failures += [f"{n} tokens, {f}" for f in c.failures]
-        per_size[str(n)] = {"max_abs_err": c.max_abs_err, "max_rel_err": c.max_rel_err}
-    if failures:
-        raise NumericMismatchError(
-            f"compiled program differs from eager beyond atol={tol.atol}, rtol={tol.rtol} "
-            f"({manifest.dtype}): " + "; ".join(failures[:6])
-            + "; nothing was stored (loosen `tolerance` or check the model)"
-        )
-    worst = max((v["max_abs_err"] for v in per_size.values()), default=0.0)
-    return {"sizes": per_size, "max_abs_err": worst, "atol": tol.atol, "rtol": tol.rtol,
-            "mutated_buffers": sorted(mutated)}
+        report.add(str(n), c)
+    return report.finish(f"compiled program differs from eager ({manifest.dtype})",
+                         "loosen `tolerance` or check the model", mutated_buffers=sorted(mutated))
 
 
 def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: bool = False,
@@ -145,92 +122,41 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
 def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progress, jobs: int,
                     toolchain: dict[str, Any], base: dict[str, Any],
                     seconds: dict[str, float]) -> CompileResult:
-    """Trace, split, compile, check and store (a miss of ``compile_manifest``)."""
+    """Trace and split, then the compile core (a miss of ``compile_manifest``)."""
     traced = trace_and_split(manifest, progress, seconds)
-    model, captured, parts, uid_of, first_of, warnings = (
-        traced.model, traced.captured, traced.parts, traced.uid_of, traced.first_of, traced.warnings)
-
+    model, captured, parts = traced.model, traced.captured, traced.parts
     shapes: list[int | None] = [None, *manifest.compile_sizes]
     if captured.dynamic == "static":
         shapes = list(manifest.compile_sizes) or [None]
-    t = time.perf_counter()
     code = {**dict(captured.source_files), **factory_source(manifest)}
     factors = full_factors(base, code)
     key = compute_key(factors)
-    # finished pieces are kept per key in the store's work directory: a killed compile resumes
-    # (--force starts from nothing: its own directory)
-    name = key[:32] if not force else f"{key[:32]}-force-{os.getpid()}"
-    with workdirs.claim(store.tmp_dir, name) as claimed, \
-            tempfile.TemporaryDirectory(prefix="run-", dir=claimed.path) as tmp:
-        if not force and store.has(key):  # a concurrent compile stored it while we traced
-            claimed.finished()
-            return _hit(store.get(key, record=False), manifest, seconds, store, traces=1)
-        kernel_root = Path(tmp) / "kernels"
-        tasks = [(uid, size) for uid in first_of for size in shapes]
-        resumed_source = resumed_from(claimed.path)
-        shared = {} if force else seed_from_store(store, claimed.path, tasks, factors)
-        compiled = compile_tasks(first_of, tasks, claimed.path, progress, dict(manifest.inductor),
-                                 jobs=jobs, fork=True, shared=shared)
-        kernel_files = merge_kernels(compiled.values(), kernel_root)
-        seconds["compile"] = time.perf_counter() - t
-        try:
-            progress.phase("check", "reload artifacts, compare with eager")
-            t = time.perf_counter()
-            artifacts = [ArtifactRecord(uid, size, artifact_role(uid, size),
-                                        _wrapper_role(compiled[(uid, size)], uid, size, warnings))
-                         for (uid, size) in tasks]
-            roles = kernel_roles(kernel_files)
-            program = Program(
-                name=manifest.name, device=manifest.device, dtype=manifest.dtype,
-                slots=_slots(captured.arg_spec, unwrap(model)),
-                inputs=tuple(_input_dict(s) for s in manifest.inputs),
-                stitch=encode_graph(parts.stitch),
-                pieces=piece_records(parts, uid_of),
-                artifacts=tuple(artifacts), kernel_roles=roles,
-                compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
-                max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
-                min_dynamic_tokens=_min_dynamic(captured),
-                source_files=code, output=_plain_output(manifest.model.output),
-            )
-            files = artifact_files(artifacts, compiled)
-            # reload exactly what will be stored, as the loader will
-            by_uid = rehydrate(program, files, kernel_root, dict(manifest.inductor))
-            runner = Runner(program, by_uid, model)
-            numerics = numeric_check(runner, model, manifest)
-            program = _with_numerics(program, numerics)
-            seconds["check"] = time.perf_counter() - t
-        except AotcError as e:
-            # a resumed or shared result may be what failed the check: never take those again
-            discard(claimed.path, [task for task, c in compiled.items() if not c.compiled_here])
-            if isinstance(e, NumericMismatchError):
-                note_check_failed(claimed.path, str(e))
-            raise
-
-        t = time.perf_counter()
-        blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json()}
-        blobs.update(files)
-        for rel, role in roles.items():
-            blobs[role] = kernel_root / rel
-        n_compiles = sum(c.compiled_here for c in compiled.values())
-        steps, kernels = profile(compiled.values()), kernel_builds(compiled.values())
-        metadata = {"shared_from": sorted(set(shared.values())),
-            "probe": compute_key(base), "pieces": len(parts.pieces), "unique_pieces": len(first_of),
-            "compiles": n_compiles, "shapes": ["dynamic" if s is None else str(s) for s in shapes],
-            "numerics": numerics, "torch": toolchain["toolchain"].get("torch"), "device": manifest.device,
-            "seconds": {k: round(v, 3) for k, v in seconds.items()},
-            "profile": steps, "kernels": kernels,
-        }
-        entry = store.put(key, manifest.name, blobs, factors=factors, metadata=metadata)
-        seconds["store"] = time.perf_counter() - t
-        claimed.finished()  # stored: the checkpoints go (unless another compile still uses them)
-    progress.phase("stored", f"key {key[:16]}… ({entry.stored_size} bytes in {len(entry.blobs)} blobs)")
+    program = Program(
+        name=manifest.name, device=manifest.device, dtype=manifest.dtype,
+        slots=_slots(captured.arg_spec, unwrap(model)),
+        inputs=tuple(_input_dict(s) for s in manifest.inputs),
+        stitch=encode_graph(parts.stitch), pieces=piece_records(parts, traced.uid_of),
+        artifacts=(), kernel_roles={},
+        compile_sizes=tuple(manifest.compile_sizes), capture_sizes=tuple(manifest.capture_sizes),
+        max_tokens=manifest.max_tokens, dynamic_mode=captured.dynamic,
+        min_dynamic_tokens=_min_dynamic(captured), source_files=code,
+        output=_plain_output(manifest.model.output))
+    job = Job(key=key, name=manifest.name, factors=factors, first_of=traced.first_of, shapes=shapes,
+              options=dict(manifest.inductor), program=program,
+              check=lambda prog, by_uid: numeric_check(Runner(prog, by_uid, model), model, manifest),
+              metadata={"probe": compute_key(base)}, jobs=jobs, fork=True, force=force)
+    built = build(store, job, progress, seconds)
+    if built.stored_meanwhile:
+        return _hit(built.entry, manifest, seconds, store, traces=1)
+    numerics = built.entry.metadata["numerics"]
     return CompileResult(
         key=key, name=manifest.name, hit=False, pieces=len(parts.pieces),
-        unique_pieces=len(first_of), compiles=n_compiles, traces=1,
-        seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=entry.stored_size,
-        max_abs_err=numerics["max_abs_err"], numerics=numerics, warnings=tuple(warnings),
-        store=str(store.root), resumed=sum(c.resumed for c in compiled.values()),
-        resumed_from=resumed_source, shared=len(shared), profile=steps, kernels=kernels)
+        unique_pieces=len(traced.first_of), compiles=built.compiles, traces=1,
+        seconds={k: round(v, 3) for k, v in seconds.items()}, bytes_stored=built.entry.stored_size,
+        max_abs_err=numerics["max_abs_err"], numerics=numerics,
+        warnings=(*traced.warnings, *built.warnings), store=str(store.root), resumed=built.resumed,
+        resumed_from=built.resumed_from, shared=built.shared, profile=built.profile,
+        kernels=built.kernels)
 
 
 def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,
@@ -241,16 +167,6 @@ def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,
         unique_pieces=int(meta.get("unique_pieces", 0)), compiles=0, traces=traces,
         seconds=seconds, bytes_stored=0, max_abs_err=meta.get("numerics", {}).get("max_abs_err"),
         numerics=meta.get("numerics", {}), store=str(store.root))
-
-
-def _wrapper_role(c: inductor_compile.CompiledPiece, uid: str, size: int | None,
-                  warnings: list[str]) -> str | None:
-    if c.wrapper is None:
-        what = "dynamic" if size is None else f"{size} tokens"
-        warnings.append(f"piece {uid[:8]} ({what}) loads through Inductor at warm start "
-                        f"(slower): {c.wrapper_note}")
-        return None
-    return wrapper_role(uid, size)
 
 
 def _slots(arg_spec: Any, model: Any) -> tuple[Slot, ...]:
@@ -280,12 +196,6 @@ def _min_dynamic(captured: Any) -> int:
 
 def _plain_output(output: Any) -> Any:
     return list(output) if isinstance(output, tuple) else output
-
-
-def _with_numerics(program: Program, numerics: dict[str, Any]) -> Program:
-    from dataclasses import replace
-
-    return replace(program, numerics=numerics)
 
 
 __all__ = ["AotcError", "CompileResult", "compile_manifest", "open_store", "check_sizes"]

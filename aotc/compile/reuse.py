@@ -14,13 +14,13 @@ with the old one, and a damaged shared blob evicts both (``verify --repair``).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from aotc._torch.task_result import RESULT_FILE, CompiledPiece, save_result
 from aotc.cache import AotcError, Store
 from aotc.records.program import KERNEL_PREFIX, artifact_role, kernel_role, wrapper_role
 
@@ -46,13 +46,12 @@ def _extract(store: Store, entry: Any, uid: str, size: int | None, out: Path) ->
             dests[wrapper] = result / "wrapper.json"
         dests.update({kernel_role(rel): result / "kernels" / rel for rel in kernels})
         store.extract_blobs(entry, dests)
-        sizes = {p.relative_to(result).as_posix(): p.stat().st_size for p in dests.values()}
-        done = {"uid": uid, "size": size, "artifact": "artifact.bin", "kernel_files": kernels,
-                "key": f"shared from {entry.key}", "seconds": 0.0,
-                "wrapper": "wrapper.json" if wrapper in entry.blobs else None,
-                "wrapper_note": "" if wrapper in entry.blobs else "shared without a fast-path record",
-                "sizes": sizes, "shared_from": entry.key}
-        (result / "done.json").write_text(json.dumps(done))
+        has_wrapper = wrapper in entry.blobs
+        piece = CompiledPiece(result / "artifact.bin", result / "kernels", tuple(kernels), size,
+                              f"shared from {entry.key}", 0.0,
+                              result / "wrapper.json" if has_wrapper else None,
+                              "" if has_wrapper else "shared without a fast-path record")
+        save_result(piece, result, uid, shared_from=entry.key)  # as durable as a compile's
         try:
             os.rename(result, out)
         except OSError:  # a concurrent compile finished the task first: same piece
@@ -75,7 +74,7 @@ def seed_from_store(store: Store, work: Path, tasks: list[tuple[str, int | None]
         if uid.startswith("x"):  # not keyed by Inductor: the id alone does not prove the same compile
             continue
         out = work / f"{uid}-{size or 'dyn'}"
-        if (out / "done.json").is_file():
+        if (out / RESULT_FILE).is_file():
             continue
         for key in store.keys_with_role(artifact_role(uid, size)):
             try:

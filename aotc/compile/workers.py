@@ -1,7 +1,8 @@
-"""Compile (unique piece, shape) tasks, in this process or spread over worker processes (``-j N``).
+"""Schedule (unique piece, shape) tasks, in this process or spread over worker processes
+(``-j N``); the compiling itself is the compiler seam's (:mod:`aotc._torch.compiler`).
 
-Each finished task is a directory ``<work>/<uid>-<size>/`` (``done.json`` + artifact, fast-path
-record and kernels), built under a private ``.partial`` name and renamed into place whole, so a
+Each finished task is a directory ``<work>/<uid>-<size>/`` (its record, written and read by
+:mod:`aotc._torch.task_result`, + artifact, fast-path record and kernels), built under a private ``.partial`` name and renamed into place whole, so a
 compile killed at any point leaves only complete results — which the next compile of the same key
 reuses instead of compiling again (``work`` is the store's per-key work directory). Concurrent
 compiles of one key take a task's lock (``flock``, released by the kernel if its holder dies)
@@ -9,26 +10,25 @@ before building it, so each task is built once and the others reuse it.
 
 With ``-j N``, N - 1 workers forked after the split (``aotc.compile.forked_workers``) take
 tasks from one queue beside this process, which then compiles whatever a worker that died did
-not report. Within a process, the C++ kernels of a few tasks in a row are built by one compiler
-run (``_HOLD``): a task is compiled up to its kernels, held, and finished (fast-path check,
-kernel files, result directory) once the batch is built.
+not report. Within a process, ``_HOLD`` tasks in a row are started and then finished together
+(their C++ kernels built by one compiler run), each then committed under its lock.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import forked, inductor_compile, kernel_batch
+from aotc._torch import forked
+from aotc._torch.compiler import PieceCompiler, as_fresh
+from aotc._torch.task_result import CompiledPiece, read_result, save_result
 from aotc.compile.forked_workers import ForkedWorker, TaskQueue
 from aotc.compile.split import Piece
 from aotc.errors import CompileError
@@ -60,22 +60,13 @@ def resumed_from(work: Path) -> str:
             if (work / _CHECK_FAILED).is_file() else "an interrupted compile")
 
 
-def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> inductor_compile.CompiledPiece | None:
+def _reuse(work: Path, uid: str, size: int | None, repair: bool = True) -> CompiledPiece | None:
     """The finished result of a task in ``work``, if a previous or concurrent compile left one
     whose files are all there at their recorded sizes. ``repair`` (only under the task's lock)
     removes a result that fails the check, so it is built again."""
     out = _out_dir(work, uid, size)
     try:
-        d = json.loads((out / "done.json").read_text())
-        c = inductor_compile.CompiledPiece(
-            out / d["artifact"], out / "kernels", tuple(d["kernel_files"]), d["size"], d["key"],
-            float(d["seconds"]), None if d["wrapper"] is None else out / d["wrapper"],
-            str(d["wrapper_note"]), resumed=True, phases=dict(d.get("phases") or {}),
-            kernels=dict(d.get("kernels") or {}))
-        for rel, n in d["sizes"].items():  # a file cut short (power loss, disk full): rebuild
-            if (out / rel).stat().st_size != n:
-                raise ValueError(f"{rel} is not {n} bytes")
-        return c
+        return read_result(out)
     except FileNotFoundError:
         if repair and out.exists():  # incomplete: not ours to trust
             shutil.rmtree(out, ignore_errors=True)
@@ -114,35 +105,22 @@ class _Claim:
                                              dir=self.work))
         return self.partial
 
-    def commit(self, c: inductor_compile.CompiledPiece) -> inductor_compile.CompiledPiece:
+    def commit(self, c: CompiledPiece) -> CompiledPiece:
         """Make the compiled result in the scratch dir the task's finished result: on disk
-        (fsync) before the rename makes it visible (a concurrent compile that finished it first
-        wins: same key, same result)."""
-        assert self.partial is not None
-        result = self.partial / "result"
-        files = [c.artifact, *(c.kernel_root / rel for rel in c.kernel_files)]
-        if c.wrapper is not None:
-            files.append(c.wrapper)
-        sizes = {}
-        for f in files:
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            sizes[f.relative_to(result).as_posix()] = f.stat().st_size
-        done = {"uid": self.uid, "size": self.size, "artifact": c.artifact.name,
-                "kernel_files": list(c.kernel_files), "key": c.key, "seconds": c.seconds,
-                "wrapper": None if c.wrapper is None else c.wrapper.name,
-                "wrapper_note": c.wrapper_note, "sizes": sizes, "phases": c.phases,
-                "kernels": c.kernels}
-        (result / "done.json").write_text(json.dumps(done))
+        (:func:`~aotc._torch.task_result.save_result`) before the rename makes it visible (a
+        concurrent compile that finished it first wins: same key, same result)."""
+        if self.partial is None:
+            raise CompileError(f"piece {self.uid} committed before it was built (an aotc bug)")
+        save_result(c, self.partial / "result", self.uid)
         try:
-            os.rename(result, self.out)
+            os.rename(self.partial / "result", self.out)
         except OSError:
             pass
         found = _reuse(self.work, self.uid, self.size)
         if found is None:
             raise CompileError(f"compiled piece {self.uid} vanished from {self.work} (removed by "
                                "gc?); compile again")
-        return replace(found, resumed=False, seconds=c.seconds, phases=c.phases, kernels=c.kernels)
+        return as_fresh(found, c)
 
     def release(self) -> None:
         """Drop the scratch dir and the lock (idempotent)."""
@@ -160,7 +138,7 @@ def _label(uid: str, size: int | None) -> str:
 
 def compile_tasks(first_of: dict[str, Piece], tasks: list[Task], work: Path, progress: Progress,
                   options: dict[str, Any], jobs: int = 1, fork: bool = False,
-                  shared: dict[Task, str] | None = None) -> dict[Task, inductor_compile.CompiledPiece]:
+                  shared: dict[Task, str] | None = None) -> dict[Task, CompiledPiece]:
     """Compile every task with Inductor patches ``options``; with ``fork`` and ``jobs`` > 1, in
     that many processes (``jobs - 1`` forked workers, see the module doc; never once CUDA is
     initialized — a graph the backend was handed compiles inside a server's process, which is
@@ -169,11 +147,11 @@ def compile_tasks(first_of: dict[str, Piece], tasks: list[Task], work: Path, pro
     options = dict(options)
     if not fork or len(tasks) > TaskQueue.LIMIT or not forked.fork_is_safe():
         jobs = 1
-    results: dict[Task, inductor_compile.CompiledPiece] = {}
+    results: dict[Task, CompiledPiece] = {}
     lock = threading.Lock()
     total = len(tasks)
 
-    def done(task: Task, c: inductor_compile.CompiledPiece, by: str = "") -> None:
+    def done(task: Task, c: CompiledPiece, by: str = "") -> None:
         with lock:
             results[task] = c
             progress.step(len(results), total, _label(*task) + (" (resumed)" if c.resumed else "")
@@ -237,7 +215,7 @@ def kernel_builds(compiled: Any) -> dict[str, int]:
     return out
 
 
-def artifact_files(artifacts: Any, compiled: dict[Task, inductor_compile.CompiledPiece]) -> dict[str, Path]:
+def artifact_files(artifacts: Any, compiled: dict[Task, CompiledPiece]) -> dict[str, Path]:
     """Blob role -> file of every artifact record (``ArtifactRecord``) and its fast-path record."""
     files: dict[str, Path] = {}
     for a in artifacts:
@@ -263,29 +241,24 @@ def merge_kernels(compiled: Any, root: Path) -> set[str]:
     return seen
 
 
-_HOLD = 3  # tasks in a row whose kernels one compiler run builds (each run loads the ~150 MB
-           # precompiled header and links: ~0.55 s of fixed cost)
+_HOLD = 3  # tasks in a row whose kernels one compiler run builds (aotc._torch.compiler)
 
 
 def compile_here(first_of: dict[str, Piece], tasks: Iterable[Task], work: Path,
                  options: dict[str, Any], done: Any, hold: int = _HOLD) -> None:
     """Compile ``tasks`` (a list, or a :class:`~aotc.compile.forked_workers.TaskQueue` to take
     them from) in this process, each into ``work`` or taken from a finished result there;
-    ``done(task, compiled)`` after each. The kernels of up to ``hold`` tasks in a row are built
-    by one compiler run (module doc)."""
-    batch = kernel_batch.KernelBatch()
-    held: list[tuple[Task, _Claim, inductor_compile.PendingPiece]] = []
+    ``done(task, compiled)`` after each. Up to ``hold`` tasks in a row are finished together
+    (:class:`~aotc._torch.compiler.PieceCompiler`); this only claims, schedules and commits."""
+    compiler = PieceCompiler(options, work / _POOL)
+    claims: dict[Task, _Claim] = {}
 
     def finish_held() -> None:
-        t = time.perf_counter()
-        inductor_compile.build_kernels(batch, ", ".join(_label(*task) for task, *_ in held))
-        share = (time.perf_counter() - t) / max(len(held), 1)
-        while held:
-            task, claim, pending = held.pop(0)
+        for task, c in compiler.finish():
+            claim = claims.pop(task)
             try:
-                c = claim.commit(inductor_compile.finish_piece(pending, share))
+                c = claim.commit(c)
             finally:
-                pending.discard()
                 claim.release()
             done(task, c)
 
@@ -299,18 +272,16 @@ def compile_here(first_of: dict[str, Piece], tasks: Iterable[Task], work: Path,
                     done((uid, size), found)
                     continue
                 piece = first_of[uid]
-                scratch = claim.scratch()
-                pending = inductor_compile.start_piece(
-                    piece.gm, list(piece.example_inputs), size, scratch / "result", options,
-                    scratch, piece.real_inputs, f"{uid}:{size or 'dynamic'}", work / _POOL, batch)
+                compiler.start((uid, size), piece.gm, piece.example_inputs, size, claim.scratch(),
+                               piece.real_inputs, f"{uid}:{size or 'dynamic'}")
             except BaseException:
                 claim.release()
                 raise
-            held.append(((uid, size), claim, pending))
-            if len(held) >= hold:
+            claims[(uid, size)] = claim
+            if len(compiler) >= hold:
                 finish_held()
         finish_held()
     finally:
-        for _, claim, pending in held:
-            pending.discard()
+        compiler.abandon()
+        for claim in claims.values():
             claim.release()

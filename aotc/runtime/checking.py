@@ -63,7 +63,6 @@ def compare_runs(compiled: Callable[..., Any], eager: Callable[..., Any], inputs
     the snapshot afterwards."""
     snapshot = {k: b.clone() for k, b in buffers.items()}
     theirs, mine = _copies(inputs), _copies(inputs)
-    result = Comparison()
     with torch.no_grad():
         try:
             want = flat_tensors(eager(*theirs))
@@ -71,18 +70,29 @@ def compare_runs(compiled: Callable[..., Any], eager: Callable[..., Any], inputs
             restore(buffers, snapshot)
             got = flat_tensors(compiled(*mine))
             changed = {k for k, b in buffers.items() if not same(b, snapshot[k])}
-            pairs: list[tuple[str, Any, Any]] = [
-                (f"output {i}", g, w) for i, (g, w) in enumerate(zip(got, want))]
-            if len(got) != len(want):
-                pairs.append((f"{len(got)} outputs, eager has {len(want)}", None, None))
-            result.mutated = changed | set(eager_state)
-            pairs += [(f"buffer {k!r}", buffers[k].clone(), eager_state.get(k, snapshot[k]))
-                      for k in sorted(result.mutated)]
-            pairs += [(f"input {i} (written in place)", m, t)
-                      for i, (x, m, t) in enumerate(zip(inputs, mine, theirs))
-                      if isinstance(x, torch.Tensor) and not (same(m, x) and same(t, x))]
+            mutated = changed | set(eager_state)
+            pairs = [(f"buffer {k!r}", buffers[k].clone(), eager_state.get(k, snapshot[k]))
+                     for k in sorted(mutated)]
         finally:
             restore(buffers, snapshot)
+    result = compare_outputs(got, want, inputs, mine, theirs, atol, rtol, pairs)
+    result.mutated = mutated
+    return result
+
+
+def compare_outputs(got: Sequence[Any], want: Sequence[Any], inputs: Sequence[Any],
+                    mine: Sequence[Any], theirs: Sequence[Any], atol: float, rtol: float,
+                    more: Sequence[tuple[str, Any, Any]] = ()) -> Comparison:
+    """Compare two runs on copies of the same ``inputs``: their flat outputs (``got`` against
+    ``want``), the inputs either one wrote in place (``mine`` against ``theirs``) and ``more``
+    named pairs (a model's buffers)."""
+    pairs: list[tuple[str, Any, Any]] = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(got, want))]
+    if len(got) != len(want):
+        pairs.append((f"{len(got)} outputs, eager has {len(want)}", None, None))
+    pairs += list(more)
+    pairs += [(f"input {i} (written in place)", m, t) for i, (x, m, t) in enumerate(zip(inputs, mine, theirs))
+              if isinstance(x, torch.Tensor) and not (same(m, x) and same(t, x))]
+    result = Comparison()
     for what, g, w in pairs:
         abs_err, rel_err, ok = tensor_errors(g, w, atol, rtol)
         result.max_abs_err = max(result.max_abs_err, abs_err)
@@ -90,6 +100,32 @@ def compare_runs(compiled: Callable[..., Any], eager: Callable[..., Any], inputs
         if not ok:
             result.failures.append(f"{what}: max abs err {abs_err:.3g}")
     return result
+
+
+class NumericReport:
+    """The numeric check's figures over its sizes: each size's worst errors and what failed."""
+
+    def __init__(self, atol: float, rtol: float) -> None:
+        self.atol, self.rtol = atol, rtol
+        self.sizes: dict[str, dict[str, float]] = {}
+        self.failures: list[str] = []
+
+    def add(self, label: str, c: Comparison) -> None:
+        """The comparison at one size (``label``: its token count, or ``static``)."""
+        self.sizes[label] = {"max_abs_err": c.max_abs_err, "max_rel_err": c.max_rel_err}
+        self.failures += [f"{label} tokens, {f}" for f in c.failures]
+
+    def finish(self, differs: str, fix: str, **extra: Any) -> dict[str, Any]:
+        """The figures as stored with the entry; raises :class:`NumericMismatchError` (``differs``
+        from what, beyond the tolerance; ``fix``: what the user can do) when a size failed."""
+        if self.failures:
+            from aotc.errors import NumericMismatchError
+
+            raise NumericMismatchError(
+                f"{differs} beyond atol={self.atol}, rtol={self.rtol}: " + "; ".join(self.failures[:6])
+                + f"; nothing was stored ({fix})")
+        worst = max((v["max_abs_err"] for v in self.sizes.values()), default=0.0)
+        return {"sizes": self.sizes, "max_abs_err": worst, "atol": self.atol, "rtol": self.rtol, **extra}
 
 
 def _copies(inputs: Sequence[Any]) -> list[Any]:
@@ -115,5 +151,5 @@ def restore(buffers: Mapping[str, torch.Tensor], snapshot: Mapping[str, torch.Te
                 b.copy_(snapshot[k])
 
 
-__all__: Sequence[str] = ["Comparison", "compare_runs", "flat_tensors", "kept", "restore", "same",
-                         "tensor_errors"]
+__all__: Sequence[str] = ["Comparison", "NumericReport", "compare_outputs", "compare_runs", "flat_tensors",
+                         "kept", "restore", "same", "tensor_errors"]

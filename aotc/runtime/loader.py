@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import atexit
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotc.cache import CacheMiss, Entry, Store, StoreReadOnlyError
+from aotc.cache import CacheMiss, Entry, Store
 from aotc.errors import LoadError
+from aotc.fleet.tiered import TieredStore, open_tiered
 from aotc.fleet.trust import enforce, trust_policy
-from aotc.lookup.resolve import resolve
-from aotc.lookup.stores import as_manifest, open_store, split_store
+from aotc.log import configure
+from aotc.lookup.stores import as_manifest
 from aotc.lookup.toolchain import machine_factors
 from aotc.manifest import Manifest
 from aotc.model.build import build_model
@@ -52,29 +52,19 @@ def _workdir() -> Path:
     return path
 
 
-def _find_entry(manifest: Manifest, store: Store, timings: Timings, remote: Any = None,
-                trusted: frozenset[str] = frozenset(), progress: bool = False) -> Entry:
+def _find_entry(manifest: Manifest, tiered: TieredStore, timings: Timings) -> Entry:
     t = time.perf_counter()
-    toolchain = machine_factors(manifest.device, store.base / "toolchain")
-    res = resolve(manifest, store, toolchain, record=True)
-    timings.add("resolve", time.perf_counter() - t)
+    toolchain = machine_factors(manifest.device, tiered.local.base / "toolchain")
+    res = tiered.find(manifest, toolchain)  # the local tier, else pulled through from the remote
+    timings.add("resolve", time.perf_counter() - t - tiered.pull_seconds)
+    if tiered.pulled_bytes:
+        timings.add("pull", tiered.pull_seconds)
+        timings.pulled_bytes = tiered.pulled_bytes
     if res.entry is not None:
         return res.entry
     if res.corrupt is not None:  # the entry for this machine exists but is damaged: say that
         raise res.corrupt
-    if remote is not None and store.read_only:
-        raise StoreReadOnlyError(str(store.root), f"pull {manifest.name} into it from {remote.url}")
-    if remote is not None:  # pull-through: fetch it, verified, into the local store, then load
-        from aotc.fleet.sync import pull_for_manifest
-        from aotc.progress import Progress
-
-        t = time.perf_counter()
-        quiet = not sys.stderr.isatty() and not progress
-        pulled = pull_for_manifest(manifest, remote, store, toolchain, trusted, Progress(quiet=quiet))
-        timings.add("pull", time.perf_counter() - t)
-        if pulled is not None:
-            timings.pulled_bytes = pulled.bytes_moved
-            return _find_entry(manifest, store, timings)
+    remote = tiered.remote
     where = manifest.path or manifest.name
     why = ""
     if res.closest is not None:
@@ -147,29 +137,26 @@ def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any =
     """
     timings = Timings()
     settings = current()  # the AOTC_* variables, read once for this load
+    configure(settings.log)
     trusted = trust_policy(trust, settings)
-    store, remote = split_store(store, remote, settings)
     fast = settings.loader != "inductor"
     if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
         if model is None:
             raise LoadError("loading by key needs `model=`: the module whose weights to bind")
-        st = open_store(store, create=remote is not None, settings=settings)
-        if remote is not None and not st.has(manifest_or_key):
-            from aotc.fleet.sync import pull_entry
-
-            pull_entry(remote, st, manifest_or_key, trusted)
-        entry = st.get(manifest_or_key)
+        tiered = open_tiered(store, remote, trusted, settings)
+        entry = tiered.get(manifest_or_key)
+        timings.pulled_bytes = tiered.pulled_bytes
         options = entry.factors.get("inductor", {}).get("patches", {})
-        return load_entry(entry, st, model, timings, options=options, trusted=trusted, fast=fast)
+        return load_entry(entry, tiered.local, model, timings, options=options, trusted=trusted, fast=fast)
     manifest = as_manifest(manifest_or_key)
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)
-    st = open_store(store, manifest, create=remote is not None, settings=settings)
-    entry = _find_entry(manifest, st, timings, remote, trusted, progress=settings.progress)
+    tiered = open_tiered(store, remote, trusted, settings, manifest)
+    entry = _find_entry(manifest, tiered, timings)
     if model is None:
         t = time.perf_counter()
         model = build_model(manifest)
         timings.add("build model", time.perf_counter() - t)
-    return load_entry(entry, st, model, timings, options=dict(manifest.inductor),
+    return load_entry(entry, tiered.local, model, timings, options=dict(manifest.inductor),
                       cudagraph=manifest.cudagraph, capture_sizes=manifest.capture_sizes,
                       trusted=trusted, fast=fast)

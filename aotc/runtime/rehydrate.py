@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import inductor_load, wrapper
+from aotc._torch import compiler, wrapper
 from aotc.counters import COUNTERS
 from aotc.errors import LoadError
 from aotc.records.program import Program
@@ -37,7 +37,7 @@ def rehydrate(program: Program, files: dict[str, Path], kernel_root: Path,
         else:
             slow.append(a)
     if slow:
-        loaded = inductor_load.load_pieces([files[a.role] for a in slow], kernel_root, options=options)
+        loaded = compiler.load([files[a.role] for a in slow], kernel_root, options)
         for a, fn in zip(slow, loaded):
             by_uid.setdefault(a.uid, {})[a.size] = fn
     return by_uid

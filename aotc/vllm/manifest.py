@@ -9,7 +9,7 @@ aotc backend, so the store (and the remote, when set) holds the program every re
       max_num_batched_tokens: 256  # the largest batch the engine traces and profiles with
       engine_args: {}              # any other vllm.LLM keyword argument
     compile_sizes: []              # the backend's static sizes (default: the dynamic artifact only)
-    splitting_ops: null            # default: vLLM's attention ops (aotc.backend.DEFAULT_SPLITTING_OPS)
+    splitting_ops: null            # default: vLLM's attention ops (aotc.backend.config.DEFAULT_SPLITTING_OPS)
     store: null
 
 The key is the graph's (:mod:`aotc.backend.graphkey`): vLLM builds it from the model config and

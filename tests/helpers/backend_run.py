@@ -44,7 +44,7 @@ def main() -> None:
         return m(ids, pos)
 
     if key_only:
-        from aotc.backend import backend_key
+        from aotc.backend.serve import backend_key
 
         keys = []
 

@@ -1,0 +1,241 @@
+"""aotc as a ``torch.compile`` backend: ``torch.compile(model, backend="aotc")`` (registered through
+torch's ``torch_dynamo_backends`` entry point) or ``backend=aotc.backend(store=…, …)``.
+
+Dynamo hands the backend one graph. Its key is the graph's canonical form
+(:mod:`aotc.backend.graphkey`) + toolchain + Inductor settings + aotc's format and compile logic +
+splitting ops + compile sizes. A stored entry (or one pulled from the remote, verified) is
+rehydrated through the no-Inductor fast path; a miss compiles, checks and stores it
+(:mod:`aotc.backend.build`) and pushes it when a remote is set. Either way Dynamo gets an
+:class:`~aotc.backend.compiled.AotcCompiled`, which torch's and vLLM's AOT paths can save as
+just the key.
+
+The backend compiles for inference: the program runs under ``no_grad`` and its outputs carry no
+autograd graph. It reports through the ``aotc.backend`` logger (:mod:`aotc.log`): one INFO line
+per graph, one WARNING line per fallback or failed push.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
+from aotc.log import logger
+
+_log = logger("backend")
+
+__all__ = ["DEFAULT_SPLITTING_OPS", "AotcBackend", "aotc_backend", "backend", "backend_key"]
+
+
+def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | None = None,
+                store: Any = None) -> tuple[str, dict[str, Any]]:
+    """``(key, factors)`` of a graph as the backend would store it (``store``: where the
+    toolchain memo lives; default: the configured store)."""
+    from aotc._torch import inductor_facts
+    from aotc.backend.graphkey import graph_device, graph_factors
+    from aotc.lookup.compile_logic import compile_logic_hash
+    from aotc.lookup.resolve import inductor_factors
+    from aotc.lookup.toolchain import machine_factors
+    from aotc.records.key import FORMAT_VERSION, compute_key
+    from aotc.settings import current
+
+    config = config or BackendConfig()
+    settings = current()
+    device = graph_device(example_inputs)
+    memo = None if store is None else store.base / "toolchain"
+    machine = machine_factors(device, memo)
+    factors = {
+        "graph": graph_factors(gm, example_inputs),
+        "toolchain": machine["toolchain"],
+        # live values: a framework may patch Inductor's config around the compile (vLLM does)
+        "inductor": inductor_factors(dict(config.inductor), inductor_facts.config_values()),
+        "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash(), "kind": "graph"},
+        "backend": {"splitting_ops": sorted(config.ops(settings)),
+                    "compile_sizes": list(config.sizes(settings))},
+    }
+    return compute_key(factors), factors
+
+
+class AotcBackend:
+    """A configured backend: ``torch.compile(m, backend=AotcBackend(...))`` (see module doc)."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.last: dict[str, Any] = {}  # what the last call did (key, hit, seconds): for tests and logs
+        self._key = ""  # the key of the graph in hand (named by a fallback's warning)
+
+    def __repr__(self) -> str:
+        return f"aotc.backend(store={self.config.store!r}, remote={self.config.remote!r})"
+
+    def __call__(self, gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        """Serve one graph Dynamo hands over (module doc). ``kwargs``: what ``torch.compile``
+        passes (``mode=``, ``options=``). A graph aotc cannot serve falls back (``fallback``,
+        ``AOTC_FALLBACK``: Inductor by default) with one warning line; a bad argument raises."""
+        from aotc.backend.config import call_config
+        from aotc.log import configure
+        from aotc.settings import current
+
+        cfg = call_config(self.config, kwargs)
+        settings = current()
+        configure(settings.log)
+        policy = cfg.fallback_for(settings)
+        self._key = ""
+        try:
+            return self._serve(gm, example_inputs, cfg, settings)
+        except Exception as e:  # noqa: BLE001 - the safety net: any failure serving this graph
+            from aotc._torch.dynamo import is_restart
+
+            if policy == "error" or is_restart(e):
+                raise
+            return self._fall_back(gm, example_inputs, cfg, settings, policy, e)
+
+    def _fall_back(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
+                   settings: Any, policy: str, error: BaseException) -> Any:
+        """Serve the graph without aotc: Inductor's own compile, or the graph as it is (eager)."""
+        reason = " ".join(f"{type(error).__name__}: {error}".split())[:400]
+        graph = f"graph {self._key[:16]}…" if self._key else "a graph"
+        _log.warning(f"aotc: warning: {graph} is not served by aotc ({reason}); {policy} runs it "
+                     "instead (AOTC_FALLBACK=inductor|eager|error)")
+        self.last = {"key": self._key, "hit": False, "fallback": policy, "reason": reason}
+        if settings.report:
+            self._report(settings, self.last)
+        if policy == "eager":
+            return gm.forward
+        from aotc._torch.inductor_facts import inductor_compile
+
+        return inductor_compile(gm, example_inputs, dict(cfg.inductor))
+
+    def _serve(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
+               settings: Any) -> Any:
+        import torch
+
+        from aotc._torch import dynamo
+        from aotc.backend.compiled import AotcCompiled, load_graph_program
+        from aotc.cache import CacheMiss, StoreReadOnlyError
+        from aotc.errors import RemoteError, TrustError
+        from aotc.fleet.tiered import TieredStore, open_tiered
+        from aotc.fleet.trust import trust_policy
+        from aotc.progress import Progress
+
+        t0 = time.perf_counter()
+        tiered = open_tiered(cfg.store, cfg.remote, trust_policy(cfg.trust, settings), settings, create=True)
+        store, remote, trusted = tiered.local, tiered.remote, tiered.trusted
+        if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs):
+            warnings.warn("aotc compiles for inference: the compiled model runs under no_grad and "
+                          "its outputs carry no autograd graph", stacklevel=2)
+        if cfg.graphs and _on_cuda(example_inputs):
+            _log.info("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not "
+                      "captured for torch.compile graphs yet; this graph runs without them")
+        key, factors = backend_key(gm, example_inputs, cfg, store)
+        self._key = key
+        hit = store.has(key)
+        if hit or remote is not None:
+            try:
+                with dynamo.outside_trace():
+                    runner = load_graph_program(key, tiered)
+                self._done(settings, {"key": key, "hit": True, "pulled": not hit,
+                                      "pulled_bytes": runner.timings.pulled_bytes,
+                                      "seconds": round(time.perf_counter() - t0, 3),
+                                      "store": str(store.root)})
+                return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+            except CacheMiss:
+                if hit:
+                    raise
+            except RemoteError as e:  # an unreachable or damaged remote: compile here instead
+                if hit:
+                    raise
+                _log.warning(f"aotc: warning: could not pull {key[:16]}… from {remote.url}: {e}; "
+                             "compiling it here")
+        if trusted:  # an entry built here is unsigned: the policy would refuse it after the compile
+            raise TrustError(f"graph {key[:16]}… is in neither the store nor the remote, and a trust "
+                             "policy is set (AOTC_TRUST_KEYS / trust=): compile it where no policy "
+                             "is set, sign it (`aotc sign`) and push it")
+        if store.read_only:
+            raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
+        progress = Progress()  # phase lines on the aotc.progress logger
+        from aotc.backend.build import build_entry, float_dtype
+
+        atol, rtol = cfg.tolerance_for(float_dtype(example_inputs))
+        with dynamo.outside_trace():
+            meta = build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
+                               ops=cfg.ops(settings), sizes=cfg.sizes(settings),
+                               options=dict(cfg.inductor), atol=atol, rtol=rtol, progress=progress)
+        pushed = None
+        if remote is not None:
+            pushed = _push(store, remote, key)
+        runner = load_graph_program(key, TieredStore(store, None, trusted))  # just stored here
+        self._done(settings, {"key": key, "hit": False, "pulled": False, "pushed": pushed,
+                              "seconds": round(time.perf_counter() - t0, 3), "store": str(store.root),
+                              "pieces": meta["pieces"], "unique_pieces": meta["unique_pieces"],
+                              "compiles": meta["compiles"], "shared": meta.get("shared", 0),
+                              "numerics": meta["numerics"]})
+        return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+
+    def _done(self, settings: Any, what: dict[str, Any]) -> None:
+        """Remember, log (one INFO line) and report (``AOTC_REPORT``) what a call did."""
+        self.last = what
+        how = ("pulled from the remote" if what["pulled"] else "loaded from the store") if what["hit"] \
+            else f"compiled {what['compiles']} pieces, checked, stored"
+        _log.info(f"aotc: graph {what['key'][:16]}… {'hit' if what['hit'] else 'miss'}: {how} in "
+                  f"{what['seconds']:.2f}s ({what['store']})")
+        if settings.report:
+            self._report(settings, what)
+
+    @staticmethod
+    def _report(settings: Any, what: dict[str, Any]) -> None:
+        import json
+        import os
+
+        with open(settings.report, "a") as f:  # one short line per write: atomic append
+            f.write(json.dumps({**what, "pid": os.getpid()}, sort_keys=True) + "\n")
+
+
+def _on_cuda(example_inputs: Sequence[Any]) -> bool:
+    return any(getattr(getattr(x, "device", None), "type", None) == "cuda" for x in example_inputs)
+
+
+def _push(store: Any, remote: Any, key: str) -> bool:
+    """Push a fresh entry; a failure is a warning (the compile stands, the fleet can be fed later
+    with ``aotc push``), never a failed model start."""
+    from aotc.errors import AotcError
+    from aotc.fleet.sync import push_entry
+
+    try:
+        push_entry(store, remote, key)
+        return True
+    except AotcError as e:
+        _log.warning(f"aotc: warning: could not push {key[:16]}… to {remote.url}: {e}")
+        return False
+
+
+def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
+            splitting_ops: Iterable[str] | str | None = None,
+            compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
+            inductor: dict[str, Any] | None = None, name: str | None = None,
+            mode: str | None = None, fallback: str | None = None) -> AotcBackend:
+    """A configured ``torch.compile`` backend. ``store``: a directory or ``s3://`` URL (default
+    ``AOTC_STORE``); ``remote``: pull-through and push target (default ``AOTC_REMOTE``);
+    ``trust``: public keys an entry must be signed by (besides ``AOTC_TRUST_KEYS``);
+    ``splitting_ops`` (default ``AOTC_SPLITTING_OPS``, else vLLM's attention ops, aten SDPA and
+    ``aotc::attention``); ``compile_sizes``: static artifacts besides the dynamic one (default
+    ``AOTC_COMPILE_SIZES``, else none); ``tolerance`` of the numeric check (default by dtype);
+    ``inductor``: config patches; ``name``: the store entry's name; ``mode``: a ``torch.compile``
+    mode (:func:`aotc.backend.config.mode_patches`); ``fallback``: ``inductor``, ``eager`` or
+    ``error`` for a graph aotc cannot serve (default ``AOTC_FALLBACK``, else ``inductor``)."""
+    return AotcBackend(BackendConfig.make(store, remote, trust, splitting_ops, compile_sizes,
+                                          tolerance, inductor, name, mode, fallback))
+
+
+_DEFAULT: AotcBackend | None = None
+
+
+def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """The ``"aotc"`` backend torch's registry finds through the entry point: every setting from
+    the environment. ``torch.compile``'s ``mode=`` and ``options=`` (``aotc.backend`` arguments
+    or Inductor config names) are applied per call (:func:`aotc.backend.config.call_config`)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = AotcBackend(BackendConfig())
+    return _DEFAULT(gm, example_inputs, **kwargs)
