@@ -2,11 +2,12 @@
 (``-j N``); the compiling itself is the compiler seam's (:mod:`aotc._torch.compiler`).
 
 Each finished task is a directory ``<work>/<uid>-<size>/`` (its record, written and read by
-:mod:`aotc._torch.task_result`, + artifact, fast-path record and kernels), built under a private ``.partial`` name and renamed into place whole, so a
-compile killed at any point leaves only complete results — which the next compile of the same key
-reuses instead of compiling again (``work`` is the store's per-key work directory). Concurrent
-compiles of one key take a task's lock (``flock``, released by the kernel if its holder dies)
-before building it, so each task is built once and the others reuse it.
+:mod:`aotc._torch.task_result`, + artifact, fast-path record and kernels), built under a private
+``.partial`` name and renamed into place whole, so a compile killed at any point leaves only
+complete results — which the next compile of the same key reuses instead of compiling again
+(``work`` is the store's per-key work directory). Concurrent compiles of one key take a task's
+lock (``flock``, released by the kernel if its holder dies) before building it, so each task is
+built once and the others reuse it.
 
 With ``-j N``, N - 1 workers forked after the split (``aotc.compile.forked_workers``) take
 tasks from one queue beside this process, which then compiles whatever a worker that died did
