@@ -52,6 +52,7 @@ class Index:
         self.read_only = read_only
         self._uri: str | None = None  # read-only: how this index opens (mode=ro or immutable)
         self._local = threading.local()
+        self._columns: dict[str, set[str]] = {}  # has_column's memo, by table
         try:
             with self._translate():
                 if read_only:
@@ -193,9 +194,12 @@ class Index:
         conn.execute("CREATE INDEX IF NOT EXISTS [idx_entries_name] ON [entries] ([name], [created])")
 
     def has_column(self, table: str, column: str) -> bool:
-        """Whether ``table`` has ``column`` (a read-only store may predate it)."""
-        with self._translate():
-            return any(row[1] == column for row in self.conn.execute(f"PRAGMA table_info([{table}])"))
+        """Whether ``table`` has ``column`` (a read-only store may predate it). Asked once per
+        table and index object: a column another process adds later is seen by a new one."""
+        if table not in self._columns:
+            with self._translate():
+                self._columns[table] = {row[1] for row in self.conn.execute(f"PRAGMA table_info([{table}])")}
+        return column in self._columns[table]
 
     # -- transactions -----------------------------------------------------------------------
     @contextmanager

@@ -26,8 +26,8 @@ __all__ = ["PieceCompiler", "as_fresh", "load"]
 
 class PieceCompiler:
     """``compile(piece, size)`` for one process: tasks are started one by one and finished in
-    batches, the C++ kernels of a batch built by one compiler run (each run loads the ~150 MB
-    precompiled header and links: ~0.55 s of fixed cost). ``options``: Inductor config patches;
+    batches, the C++ kernels of a batch built by one compiler run (each run loads the
+    precompiled header and links: a fixed cost paid once a batch). ``options``: Inductor config patches;
     ``pool``: the compile's kernel pool directory (libraries built once per job)."""
 
     def __init__(self, options: dict[str, Any], pool: Path) -> None:

@@ -3,8 +3,8 @@ the fence around ``torch._inductor``. Written for torch 2.11–2.13, tested on 2
 
 Every C++ kernel Inductor builds includes one big header (``cpp_prefix.h``, ~150 MB
 precompiled); with ``cpp_cache_precompile_headers`` the first kernel of a machine precompiles it
-(~5 s on 2 cores, one g++ run under a file lock) and every later kernel loads it (~0.4 s instead
-of parsing it: ~1.8 s a kernel without). On a cold machine that first build used to wait until
+(one long g++ run under a file lock) and every later kernel loads it instead of parsing the
+headers again (a fraction of the time). On a cold machine that first build used to wait until
 the first piece's first kernel; :func:`start_header_build` starts it as soon as a compile knows
 it will compile, so it runs beside the Dynamo capture and the split. The kernels' own builds wait
 for it on Inductor's lock, and skip it when it exists (``codecache._worker_compile_cpp``).

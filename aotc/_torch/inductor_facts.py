@@ -27,7 +27,7 @@ from aotc.counters import COUNTERS as _ours
 # Inductor must use it too; such a load would then preprocess (or build) the header before it
 # looks for the kernel, which ``inductor_load`` stops: the kernels are shipped, nothing builds.
 # ``cpp.vec_isa_ok``: trust the CPU's flags for the vector ISA instead of compiling a test
-# program per ISA (~8 s on 2 cores) — the ISA is in the key already (``toolchain.vec_isa``);
+# program per ISA (seconds per process) — the ISA is in the key already (``toolchain.vec_isa``);
 # the ISA-extension probes (AVX512-BF16, VNNI, AMX) still run.
 _FIXED_CONFIG: dict[str, Any] = {"cpp_cache_precompile_headers": True, "cpp.vec_isa_ok": True}
 

@@ -2,7 +2,7 @@
 with them, in a scoped Inductor cache dir: the load side of the fence around ``torch._inductor``.
 The warm start uses it only for pieces that do not qualify for :mod:`aotc._torch.wrapper`.
 Loading through here still runs ``g++ --version`` (part of each kernel's key) and imports
-Inductor (~3 s). Written for torch 2.11–2.13, API differences feature-checked; tested on 2.13.0
+Inductor (seconds). Written for torch 2.11–2.13, API differences feature-checked; tested on 2.13.0
 (CPU).
 """
 
@@ -83,7 +83,7 @@ def load_piece(
 def in_process_isa_probes() -> Iterator[None]:
     """While loading or compiling: answer Inductor's ISA-extension probes (AVX512-BF16, VNNI,
     AMX …) by dlopen-ing the probe library in this process instead of in a child Python per
-    probe (6 children, ~1.2 s here). The libraries were built for this key's march/ISA and are only
+    probe (a child interpreter each). The libraries were built for this key's march/ISA and are only
     loaded, never called. Torch 2.11–2.13: ``VecISA._probe_load(self, path) -> bool``."""
     try:
         from torch._inductor.cpu_vec_isa import VecISA
@@ -147,7 +147,7 @@ def load_pieces(
     out = []
     # The vector ISA was settled at compile time and is in the key (toolchain.vec_isa, march):
     # the fixed config trusts the CPU flags instead of Inductor re-probing each ISA by compiling
-    # and dlopen-ing a test library in a child Python (10 subprocesses, ~2 s here).
+    # and dlopen-ing a test library in a child Python (a subprocess per ISA).
     with inductor_cache_dir(kernel_root), _config_patch(dict(options or {})), \
             in_process_isa_probes(), _no_header_builds(), guarded_kernel_sources():
         for artifact_file in map(Path, artifact_files):

@@ -22,7 +22,7 @@ __all__ = ["isa_probe_files", "keep_isa_probes", "machine_isa_probe_dir",
            "seed_isa_probes"]
 
 _probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see isa_probe_files)
-# the probes a compile with ``cpp.vec_isa_ok`` runs (the ISA extensions: ~1.5 s, not ~10 s)
+# the probes a compile with ``cpp.vec_isa_ok`` runs (the ISA extensions only, not every ISA)
 _PROBE_SCRIPT = ("from torch._inductor import config; config.cpp.vec_isa_ok = True; "
                  "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())")
 
@@ -46,8 +46,8 @@ def _isa_memos() -> list[Any] | None:
 def _probe_here(root: Path) -> bool:
     """Run Inductor's ISA-extension probes in this process with ``root`` as the cache dir: its
     memos cleared before (so the probes run even if this process probed already) and after (so
-    a later ``torch.compile`` of the caller's own probes as it would have). ~1.2 s on 2 cores,
-    against ~4.5 s for a child interpreter. False when it cannot (another torch layout)."""
+    a later ``torch.compile`` of the caller's own probes as it would have), without the start of a child
+    interpreter. False when it cannot (another torch layout)."""
     memos = _isa_memos()
     if memos is None:
         return False
@@ -115,7 +115,7 @@ def isa_probe_files() -> dict[str, Path]:
 def keep_isa_probes(directory: Path) -> None:
     """Keep the ISA probe libraries in ``directory`` (per toolchain fingerprint, so any change of
     compiler, torch or CPU gives another) and reuse them in later processes: the probe compiles
-    a few programs (~1.5 s on 2 cores) in every compiling process otherwise."""
+    a few programs in every compiling process otherwise."""
     _probe["keep"] = Path(directory)
 
 

@@ -4,8 +4,8 @@
 Inductor builds every CPU kernel of a generated module as its own library, one g++ run each
 (``AsyncCompile.cpp_pybinding`` → ``CppCodeCache.load_async`` → ``_worker_compile_cpp``). With
 the precompiled header on, most of such a run is fixed cost — loading the ~150 MB header and
-starting the compiler, ~0.55 s of a ~0.8 s kernel on 2 cores — so three kernels built together
-take ~1.2 s against ~2.7 s apart.
+starting the compiler, most of a small kernel's build — so kernels built together cost little
+more than one (``make bench`` measures it).
 
 Within :func:`batched_builds`, the kernels a module defines are not submitted one by one: their
 builds are held until the module waits for the first of them, then built as ONE translation

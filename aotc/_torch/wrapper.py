@@ -3,8 +3,8 @@
 An Inductor artifact, once loaded, is a generated Python module (``call(args)``) that allocates
 buffers and calls C++ kernels (Python extension modules, one ``.so`` each) and a few ATen
 "extern kernels" (``torch.mm(…, out=)``). Loading it through ``CompiledArtifact.load`` imports
-Inductor's whole compile stack (~1.5 s here), re-hashes every kernel source against the
-compiler's version and flags, and re-runs the AOTAutograd wrappers: 2.5–3 s for a toy model.
+Inductor's whole compile stack, re-hashes every kernel source against the compiler's version
+and flags, and re-runs the AOTAutograd wrappers: seconds, even for a toy model.
 
 This module keeps that generated module's source *unmodified* and runs it with the four Inductor
 names it imports replaced by small stand-ins (:data:`_SHIMS`): ``AsyncCompile`` returns the

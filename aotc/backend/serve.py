@@ -64,7 +64,6 @@ class AotcBackend:
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
         self.last: dict[str, Any] = {}  # what the last call did (key, hit, seconds): for tests and logs
-        self._key = ""  # the key of the graph in hand (named by a fallback's warning)
 
     def __repr__(self) -> str:
         return f"aotc.backend(store={self.config.store!r}, remote={self.config.remote!r})"
@@ -81,24 +80,24 @@ class AotcBackend:
         settings = current()
         configure(settings.log)
         policy = cfg.fallback_for(settings)
-        self._key = ""
+        seen: dict[str, str] = {}  # the graph's key once computed (a fallback's warning names it)
         try:
-            return self._serve(gm, example_inputs, cfg, settings)
+            return self._serve(gm, example_inputs, cfg, settings, seen)
         except Exception as e:  # noqa: BLE001 - the safety net: any failure serving this graph
             from aotc._torch.dynamo import is_restart
 
             if policy == "error" or is_restart(e):
                 raise
-            return self._fall_back(gm, example_inputs, cfg, settings, policy, e)
+            return self._fall_back(gm, example_inputs, cfg, settings, policy, e, seen.get("key", ""))
 
     def _fall_back(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
-                   settings: Any, policy: str, error: BaseException) -> Any:
+                   settings: Any, policy: str, error: BaseException, key: str) -> Any:
         """Serve the graph without aotc: Inductor's own compile, or the graph as it is (eager)."""
         reason = " ".join(f"{type(error).__name__}: {error}".split())[:400]
-        graph = f"graph {self._key[:16]}…" if self._key else "a graph"
+        graph = f"graph {key[:16]}…" if key else "a graph"
         _log.warning(f"aotc: warning: {graph} is not served by aotc ({reason}); {policy} runs it "
                      "instead (AOTC_FALLBACK=inductor|eager|error)")
-        self.last = {"key": self._key, "hit": False, "fallback": policy, "reason": reason}
+        self.last = {"key": key, "hit": False, "fallback": policy, "reason": reason}
         if settings.report:
             self._report(settings, self.last)
         if policy == "eager":
@@ -108,7 +107,7 @@ class AotcBackend:
         return inductor_compile(gm, example_inputs, dict(cfg.inductor))
 
     def _serve(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
-               settings: Any) -> Any:
+               settings: Any, seen: dict[str, str]) -> Any:
         import torch
 
         from aotc._torch import dynamo
@@ -129,7 +128,7 @@ class AotcBackend:
             _log.info("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not "
                       "captured for torch.compile graphs yet; this graph runs without them")
         key, factors = backend_key(gm, example_inputs, cfg, store)
-        self._key = key
+        seen["key"] = key
         hit = store.has(key)
         if hit or remote is not None:
             try:

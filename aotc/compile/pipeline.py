@@ -114,7 +114,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
-    # the kernels' precompiled header (~5 s on a cold machine) builds while this process traces
+    # the kernels' precompiled header (one long g++ run on a cold machine) builds while this process traces
     header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
     return _compile_traced(manifest, store, force, progress, jobs, toolchain, base, seconds)
 
