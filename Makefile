@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The demo uses a store inside the checkout so it never touches ~/.cache.
 DEMO_STORE ?= $(CURDIR)/.aotc-store
 
-.PHONY: install demo test test-quick bench bench-quick bench-vllm lint clean
+.PHONY: install demo test test-quick bench bench-quick bench-vllm lint clean gpu-wheels test-torch-compat
 
 install: $(STAMP)
 
@@ -58,6 +58,14 @@ lint: install
 	$(PY) -m ruff check aotc cache cli
 	$(PY) -m mypy
 	$(PY) -m compileall -q bench tests
+
+# the tests on the GPU machine's torch (2.11), here on the CPU, in a second venv (.venv-torch2110/)
+test-torch-compat:
+	bash scripts/torch-compat.sh 2.11.0
+
+# the wheels the GPU check carries to the device machine (Python 3.12, no registry there): .whl/
+gpu-wheels:
+	bash scripts/gpu-wheels.sh .whl
 
 clean:
 	rm -rf $(VENV) $(DEMO_STORE) .pytest_cache

@@ -2,17 +2,15 @@
 
 On a GPU: a toy-llama compiled for cuda, warm-started with piecewise and full graphs, matches
 eager at sizes at, between and above the capture sizes. Everywhere: the bookkeeping (size choice,
-padding, static buffers, slicing, full vs piecewise) runs on CPU with ``EmulatedGraph``, a
-stand-in with a CUDA graph's replay semantics — replay recomputes into the SAME output tensors
-from the static argument buffers' current contents — so a missed copy into a static buffer, an
-output handed out without a copy, or a wrong padding shows up as a wrong result.
+padding, static buffers, cutting outputs back along their token dim, full vs piecewise) runs on
+CPU with ``tests.helpers.emulated_graph.EmulatedGraph``, a stand-in that captures as CUDA does
+(records, runs nothing visible, refuses a host sync) and replays into the same output tensors.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
 import aotc
 from aotc.model.build import make_inputs
@@ -20,34 +18,9 @@ from aotc.runtime.cudagraph import GraphSet, capture
 from aotc.errors import LoadError
 from aotc.manifest import load_manifest
 from tests.conftest import toy_manifest
+from tests.helpers.emulated_graph import EmulatedGraph, HostSyncDuringCapture
 
 pytestmark = pytest.mark.slow
-
-
-class EmulatedGraph:
-    """CPU stand-in for ``torch.cuda.CUDAGraph`` (see module doc)."""
-
-    captured = 0
-
-    def __init__(self, pool: object) -> None:
-        self.pool = pool
-
-    @staticmethod
-    def new_pool() -> object:
-        return object()
-
-    def capture(self, fn, args):  # type: ignore[no-untyped-def]
-        EmulatedGraph.captured += 1
-        self.fn, self.args = fn, args
-        self.out = fn(*args)
-        return self.out
-
-    def replay(self) -> None:
-        new = self.fn(*self.args)
-        outs = self.out if isinstance(self.out, (list, tuple)) else [self.out]
-        news = new if isinstance(new, (list, tuple)) else [new]
-        for o, n in zip(outs, news):
-            o.copy_(n)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
@@ -84,6 +57,49 @@ def test_mode_none_and_bad_modes(compiled) -> None:
         GraphSet(runner, "sometimes", graph_cls=EmulatedGraph)
 
 
+def test_the_stand_in_captures_as_cuda_does() -> None:
+    """Capture runs nothing visible (arguments as they were, outputs garbage until the first
+    replay) and refuses a host sync; replay runs the work on the arguments' current contents."""
+    x = torch.tensor([1.0, 2.0])
+    g = EmulatedGraph(EmulatedGraph.new_pool())
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        out = t * 2
+        t.add_(1)  # a write into an argument: not done until a replay
+        return out
+
+    out = g.capture(step, [x])
+    assert torch.equal(x, torch.tensor([1.0, 2.0])) and bool(out.isnan().all())
+    g.replay()
+    assert torch.equal(out, torch.tensor([2.0, 4.0])) and torch.equal(x, torch.tensor([2.0, 3.0]))
+    x.copy_(torch.tensor([5.0, 5.0]))
+    g.replay()
+    assert torch.equal(out, torch.tensor([10.0, 10.0]))
+    with pytest.raises(HostSyncDuringCapture, match="item during CUDA graph capture"):
+        EmulatedGraph(None).capture(lambda t: t * t.sum().item(), [x])
+    with pytest.raises(HostSyncDuringCapture):
+        EmulatedGraph(None).capture(lambda t: t if bool(t[0] > 0) else -t, [x])
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_batch_first_outputs_are_captured_and_cut_back_along_their_token_dim(compiled, mode) -> None:
+    """An HF model's logits are ``[1, n, vocab]``: the token dim is 1. Graphs are captured at
+    every size and each replay matches the model run eagerly, cut back along dim 1."""
+    _tmp, store, results = compiled
+    manifest = load_manifest(results["hf"][0])
+    runner = capture(aotc.load(manifest, store=store), mode, [8, 4, 2, 1], graph_cls=EmulatedGraph,
+                     device="cpu")
+    assert runner is not None and runner.graphs.report.sizes == [8, 4, 2, 1]
+    assert runner.graphs.token_dims == [1]
+    for n, seed in [(1, 1), (2, 2), (3, 3), (6, 4), (8, 5), (11, 6)]:
+        x = make_inputs(manifest, n, seed=seed)
+        got = runner(*x)
+        with torch.no_grad():
+            want = runner.eager(*x)  # the model called as the manifest calls it: the logits
+        assert got.shape == want.shape and got.shape[1] == n
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
@@ -102,4 +118,25 @@ def test_cuda_graphs_on_gpu(tmp_path, mode) -> None:
         with torch.no_grad():
             want = runner.model(*x)
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-    assert yaml.safe_dump(report.to_json())
+    assert set(report.to_json()) == {"mode", "sizes", "graphs", "seconds", "pool_bytes"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_an_hf_model_on_gpu_captures_its_batch_first_logits(tmp_path) -> None:
+    from tests.conftest import hf_manifest
+
+    path = hf_manifest(tmp_path, name="tiny-hf-cuda", device="cuda", cudagraph="piecewise",
+                       capture_sizes=[1, 2, 4, 8])
+    aotc.compile(path, store=tmp_path / "store")
+    runner = aotc.load(path, store=tmp_path / "store")
+    assert runner.graphs is not None and runner.graphs.report.sizes == [8, 4, 2, 1]
+    assert runner.graphs.token_dims == [1]
+    manifest = load_manifest(path)
+    for n in (1, 3, 8, 11):
+        x = make_inputs(manifest, n, seed=n)
+        got = runner(*x)
+        with torch.no_grad():
+            want = runner.eager(*x)
+        assert got.shape[1] == n
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

@@ -90,8 +90,8 @@ def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, A
         c = compare_runs(runner, model, make_inputs(manifest, n, seed=1), buffers, tol.atol, tol.rtol)
         mutated |= c.mutated
         report.add(str(n), c)
-    return report.finish(f"compiled program differs from eager ({manifest.dtype})",
-                         "loosen `tolerance` or check the model", mutated_buffers=sorted(mutated))
+    return report.finish("compiled program differs from eager", "loosen `tolerance` or check the model",
+                         dtype=manifest.dtype, mutated_buffers=sorted(mutated))
 
 
 def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: bool = False,

@@ -115,15 +115,16 @@ class NumericReport:
         self.sizes[label] = {"max_abs_err": c.max_abs_err, "max_rel_err": c.max_rel_err}
         self.failures += [f"{label} tokens, {f}" for f in c.failures]
 
-    def finish(self, differs: str, fix: str, **extra: Any) -> dict[str, Any]:
+    def finish(self, differs: str, fix: str, dtype: str = "", **extra: Any) -> dict[str, Any]:
         """The figures as stored with the entry; raises :class:`NumericMismatchError` (``differs``
-        from what, beyond the tolerance; ``fix``: what the user can do) when a size failed."""
+        from what, beyond the tolerance — for ``dtype`` when given; ``fix``: what the user can
+        do) when a size failed."""
         if self.failures:
             from aotc.errors import NumericMismatchError
 
             raise NumericMismatchError(
-                f"{differs} beyond atol={self.atol}, rtol={self.rtol}: " + "; ".join(self.failures[:6])
-                + f"; nothing was stored ({fix})")
+                f"{differs} beyond atol={self.atol}, rtol={self.rtol}" + (f" ({dtype})" if dtype else "")
+                + ": " + "; ".join(self.failures[:6]) + f"; nothing was stored ({fix})")
         worst = max((v["max_abs_err"] for v in self.sizes.values()), default=0.0)
         return {"sizes": self.sizes, "max_abs_err": worst, "atol": self.atol, "rtol": self.rtol, **extra}
 

@@ -3,8 +3,12 @@ in between) or full (the whole forward one graph), one graph set per capture siz
 largest first into one shared memory pool.
 
 Replay of a call with ``n`` tokens uses the smallest capture size ``c >= n``: every input is
-padded with zeros along its token dim to ``c``, the graphs run, and the output is sliced back to
-``n`` rows and cloned (graph outputs live in the pool and are overwritten by the next replay).
+padded with zeros along its token dim to ``c``, the graphs run, and each output is cut back to
+``n`` along ITS token dim and cloned (graph outputs live in the pool and are overwritten by the
+next replay). An output's token dim need not be dim 0 (an HF model's batch-first logits
+``[1, n, vocab]``): it is the dim that follows the token count, found before capture by running
+the program without graphs at two sizes (so it holds for every stored program, whatever the
+format recorded); an output with none cannot be cut back, and capture refuses it.
 Padding is sound for models whose rows only depend on earlier rows (causal attention, the
 token-wise rest of a transformer): the padded rows come last. Above the largest capture size a
 call runs without graphs.
@@ -101,6 +105,7 @@ class GraphSet:
         self._pieces: dict[tuple[str, int], _Captured] = {}
         self._full: dict[int, tuple[_Captured, list[torch.Tensor]]] = {}
         self._stable: set[int] = {t.data_ptr() for t in runner.bound_tensors()}
+        self.token_dims: list[int] = []  # per flat output (output_token_dims), set by capture()
 
     # -- per call ---------------------------------------------------------------------------
     def serves(self, n: int) -> int | None:
@@ -123,7 +128,7 @@ class GraphSet:
                     out = self.runner.run_at(padded, c)
                 finally:
                     self._local.state = None
-            return _slice(out, n, c)
+            return _cut(out, n, self.token_dims)
 
     def piece(self, name: str, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         """Run compiled piece ``name``: plainly, or capture / replay its graph for this size."""
@@ -194,18 +199,61 @@ class GraphSet:
         return out
 
 
-def _slice(out: Any, n: int, c: int) -> Any:
-    def cut(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        if t.dim() == 0 or t.shape[0] != c:
-            raise LoadError(f"graph output of shape {list(t.shape)} has no token dim 0 of size {c}"
-                            "; padding cannot be undone: set `cudagraph: none`")
-        return t[:n].clone()
+def _cut(out: Any, n: int, dims: Sequence[int]) -> Any:
+    """Each output tensor narrowed to ``n`` along its token dim (``dims``, flat order), copied."""
+    flat = iter(dims)
 
-    if isinstance(out, (list, tuple)):
-        return type(out)(cut(t) for t in out)
+    def cut(t: Any) -> Any:
+        if isinstance(t, (list, tuple)):
+            return type(t)(cut(x) for x in t)
+        d = next(flat)
+        return t.narrow(d, 0, n).clone() if isinstance(t, torch.Tensor) else t
+
     return cut(out)
+
+
+def _shapes(out: Any) -> list[tuple[int, ...] | None]:
+    if isinstance(out, (list, tuple)):
+        return [s for o in out for s in _shapes(o)]
+    return [tuple(out.shape) if isinstance(out, torch.Tensor) else None]
+
+
+def _second_size(program: Any, sizes: Sequence[int]) -> int | None:
+    """A size the program serves besides ``sizes[0]``: another capture size, else a neighbour."""
+    others = [s for s in sizes[1:] if s != sizes[0]]
+    if others:
+        return others[0]
+    for n in (sizes[0] - 1, sizes[0] + 1):
+        if 1 <= n <= program.max_tokens and (n >= program.min_dynamic_tokens or n in program.compile_sizes):
+            return n
+    return None
+
+
+def output_token_dims(runner: Runner, sizes: Sequence[int]) -> list[int]:
+    """Per flat output, the dim that follows the token count: the program run without graphs
+    at ``sizes[0]`` and at a second size it serves (the only dim whose extent equals the size
+    when there is no second one). ``LoadError`` for an output with no such dim: padded rows
+    could not be cut back out of it."""
+    a, b = sizes[0], _second_size(runner.program, sizes)
+    with torch.no_grad():
+        at_a = _shapes(runner.run_at(runner.dummy_inputs(a), a))
+        at_b = _shapes(runner.run_at(runner.dummy_inputs(b), b)) if b is not None else None
+    dims = []
+    for i, shape in enumerate(at_a):
+        if shape is None:  # not a tensor: handed back as it is
+            dims.append(-1)
+            continue
+        other = at_b[i] if at_b is not None else None
+        found = [d for d, e in enumerate(shape) if e == a and (
+            other[d] == b if other is not None else True)]
+        if len(found) != 1 and other is not None:  # e.g. [n, n]: the first dim that follows
+            found = found[:1]
+        if len(found) != 1:
+            raise LoadError(f"graph output {i} of shape {list(shape)} has no dim that follows the "
+                            f"token count ({a} tokens); padding could not be cut back out of it: "
+                            "set `cudagraph: none`")
+        dims.append(found[0])
+    return dims
 
 
 class GraphedRunner:
@@ -258,6 +306,8 @@ def capture(runner: Runner, mode: str, sizes: Sequence[int], graph_cls: type = C
     if runner.piece_hook is not None:
         raise LoadError("this runner's pieces are already captured into CUDA graphs; load it "
                         "again to capture another set")
+    with kept(runner.bound_buffers()):  # the probe runs the model: its state (a KV cache) is kept
+        graphs.token_dims = output_token_dims(runner, servable)
     runner.piece_hook = graphs.piece  # the pieces route through it from here on
     with kept(runner.bound_buffers()):  # capture runs the model: its state (a KV cache) is kept
         for c in servable:
