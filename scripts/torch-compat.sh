@@ -16,5 +16,7 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     "$PY" -c "import torch; assert torch.__version__.startswith('$VER'), torch.__version__; print('torch', torch.__version__)"
     touch "$STAMP"
 fi
-"$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests
-"$PY" -m pytest -q -p no:cacheprovider tests/test_pipeline_pieces.py tests/test_loader.py tests/test_cudagraph.py
+rc=0  # both runs, whatever the first says
+"$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests || rc=1
+"$PY" -m pytest -q -p no:cacheprovider tests/test_pipeline_pieces.py tests/test_loader.py tests/test_cudagraph.py || rc=1
+exit $rc

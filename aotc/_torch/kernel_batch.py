@@ -1,5 +1,5 @@
 """The C++ kernels of one compiled piece built by one compiler run: part of the fence around
-``torch._inductor``. Written for torch 2.11–2.13, tested on 2.13.0 (CPU).
+``torch._inductor``. Written for torch 2.11–2.13, tested on 2.11.0 and 2.13.0 (CPU).
 
 Inductor builds every CPU kernel of a generated module as its own library, one g++ run each
 (``AsyncCompile.cpp_pybinding`` → ``CppCodeCache.load_async`` → ``_worker_compile_cpp``). With
@@ -18,7 +18,8 @@ answers each import with the kernel whose file name it was imported under.
 
 Only kernels whose source has the shape this relies on are batched (one ``extern "C" void
 kernel(``, one ``PyInit_kernel``, no preprocessor lines but includes (outside conditionals),
-conditionals and pragmas, the same
+conditionals, pragmas and macro definitions the same in every kernel of the batch — torch 2.11
+defines ``likely``/``unlikely`` in each, an identical redefinition is legal C++ — and the same
 build command but for the paths); a batch whose build fails is built kernel by kernel, as
 Inductor would have.
 """
@@ -39,6 +40,7 @@ _KERNEL_DEF = re.compile(r'extern\s+"C"\s+void\s+kernel\(')
 _INIT_DEF = "PyMODINIT_FUNC PyInit_kernel(void)"
 _HOISTED = re.compile(r"^\s*(#include\s*[<\"].*[>\"]|#define PY_SSIZE_T_CLEAN)\s*$")
 _KEPT = re.compile(r"^\s*#\s*(pragma|if|ifdef|ifndef|elif|else|endif)\b")
+_DEFINE = re.compile(r"^\s*#\s*define\s")
 _OPENS, _CLOSES = re.compile(r"^\s*#\s*if"), re.compile(r"^\s*#\s*endif\b")
 
 _DISPATCH = """
@@ -69,9 +71,15 @@ def combine(sources: list[tuple[str, str]]) -> str | None:
     head: list[str] = ["#include <cstring>"]
     bodies: list[str] = []
     cases: list[str] = []
+    defines: list[str] | None = None  # every kernel's macro definitions: the same, or no batch
     for i, (name, text) in enumerate(sources):
         if len(_KERNEL_DEF.findall(text)) != 1 or text.count(_INIT_DEF) != 1 or '"' in name:
             return None
+        mine = [" ".join(line.split()) for line in text.splitlines()
+                if _DEFINE.match(line) and not _HOISTED.match(line)]
+        if defines is not None and mine != defines:
+            return None
+        defines = mine
         lines, depth = [], 0
         for line in text.splitlines():
             if _HOISTED.match(line):
@@ -79,7 +87,7 @@ def combine(sources: list[tuple[str, str]]) -> str | None:
                     return None
                 if line.strip() not in head:
                     head.append(line.strip())
-            elif line.lstrip().startswith("#") and not _KEPT.match(line):
+            elif line.lstrip().startswith("#") and not (_KEPT.match(line) or _DEFINE.match(line)):
                 return None
             else:
                 depth += bool(_OPENS.match(line)) - bool(_CLOSES.match(line))
