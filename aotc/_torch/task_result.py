@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from aotc.cache.blobio import fsync_dir
+
 __all__ = ["RESULT_FILE", "CompiledPiece", "read_result", "save_result"]
 
 RESULT_FILE = "done.json"
@@ -77,6 +79,7 @@ class CompiledPiece:
 
 
 def _fsync(path: Path) -> None:
+    """fsync one file (an error raises: a result that may not be on disk is not published)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -99,7 +102,7 @@ def save_result(c: CompiledPiece, result: Path, uid: str, shared_from: str | Non
         out.write(json.dumps(record))
         out.flush()
         os.fsync(out.fileno())
-    _fsync(result)
+    fsync_dir(result)
 
 
 def read_result(out: Path) -> CompiledPiece:

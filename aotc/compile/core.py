@@ -75,7 +75,6 @@ class Built:
 
     entry: Any
     stored_meanwhile: bool = False
-    program: Program | None = None
     compiles: int = 0  # piece compiles run by this build
     resumed: int = 0
     resumed_from: str = ""
@@ -129,7 +128,7 @@ def build(store: Any, job: Job, progress: Progress, seconds: dict[str, float]) -
         t = time.perf_counter()
         blobs: dict[str, Any] = {PROGRAM_ROLE: program.to_json(), **files}
         blobs.update({role: kernel_root / rel for rel, role in roles.items()})
-        done = Built(None, program=program, compiles=sum(c.compiled_here for c in compiled.values()),
+        done = Built(None, compiles=sum(c.compiled_here for c in compiled.values()),
                      resumed=sum(c.resumed for c in compiled.values()), resumed_from=resumed_source,
                      shared=len(shared), profile=profile(compiled.values()),
                      kernels=kernel_builds(compiled.values()), warnings=tuple(warnings))
