@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import inductor_compile
+from aotc._torch.task_result import CompiledPiece
 from aotc.cache import workdirs
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import Piece
@@ -147,7 +147,7 @@ def build(store: Any, job: Job, progress: Progress, seconds: dict[str, float]) -
     return replace(done, entry=entry)
 
 
-def _wrapper_role(c: inductor_compile.CompiledPiece, uid: str, size: int | None,
+def _wrapper_role(c: CompiledPiece, uid: str, size: int | None,
                   warnings: list[str]) -> str | None:
     """The role of a piece's fast-path wrapper; None (and a warning) when it has none."""
     if c.wrapper is None:

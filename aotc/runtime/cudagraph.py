@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aotc.errors import LoadError
-from aotc.runtime.checking import kept
+from aotc.runtime.checking import flat_tensors, kept
 
 if TYPE_CHECKING:
     from aotc.runtime.runner import Runner
@@ -213,9 +213,7 @@ def _cut(out: Any, n: int, dims: Sequence[int]) -> Any:
 
 
 def _shapes(out: Any) -> list[tuple[int, ...] | None]:
-    if isinstance(out, (list, tuple)):
-        return [s for o in out for s in _shapes(o)]
-    return [tuple(out.shape) if isinstance(out, torch.Tensor) else None]
+    return [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in flat_tensors(out)]
 
 
 def _second_size(program: Any, sizes: Sequence[int]) -> int | None:
