@@ -9,12 +9,15 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_REMOTE`` | ``remote`` | the remote store for push, pull and pull-through on a local miss |
 | ``AOTC_S3_ENDPOINT`` | ``s3_endpoint`` | an S3-compatible endpoint (MinIO, Ceph, moto) instead of boto3's configuration |
 | ``AOTC_TRUST_KEYS`` | ``trust_keys`` | trusted public keys (hex, or files holding one; comma or space separated): a policy for every load, import and pull |
+| ``AOTC_ALLOW_UNSIGNED`` | ``allow_unsigned`` | ``1``: entries that cross a machine boundary (pull, pull-through, bundle import) may be unsigned (the explicit opt-out of :mod:`aotc.fleet.trust`) |
+| ``AOTC_SIGNING_KEY`` | ``signing_key`` | a private key file (``aotc keygen``): compiles, the backend and ``push`` sign what they store and push |
 | ``AOTC_LOADER`` | ``loader`` | ``inductor``: load every piece through ``CompiledArtifact.load`` instead of the fast path |
 | ``AOTC_PROGRESS`` | ``progress`` | ``1``: the same as ``AOTC_LOG=info`` (kept for scripts that set it) |
 | ``AOTC_LOG`` | ``log`` | ``debug``, ``info``, ``warning`` or ``error``: aotc's log lines at that level on stderr (:mod:`aotc.log`); unset: logging as the process configured it (warnings still reach stderr when nothing is configured) |
 | ``AOTC_SPLITTING_OPS`` | ``splitting_ops`` | the ``torch.compile`` backend's splitting ops (comma separated; default: vLLM's attention ops, aten SDPA, ``aotc::attention``) |
 | ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
+| ``AOTC_VLLM_RECORDS`` | ``vllm_records`` | ``0``: aotc's vLLM plugin leaves vLLM's AOT cache alone (no shipped record is brought in; :mod:`aotc.vllm.plugin`) |
 | ``AOTC_FALLBACK`` | ``fallback`` | what a graph the backend cannot serve (unkeyable, a failed compile or numeric check, a damaged entry) falls back to: ``inductor`` (default), ``eager``, or ``error`` to raise (CI, tests) |
 """
 
@@ -30,7 +33,9 @@ __all__ = ["ENV", "Settings", "current", "is_remote_url"]
 ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
        "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS",
        "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES",
-       "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG"}
+       "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG",
+       "vllm_records": "AOTC_VLLM_RECORDS", "allow_unsigned": "AOTC_ALLOW_UNSIGNED",
+       "signing_key": "AOTC_SIGNING_KEY"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -54,6 +59,9 @@ class Settings:
     report: str | None = None
     fallback: str | None = None  # as written; checked by aotc.backend.config.fallback_policy
     log: str | None = None  # a level name of aotc.log.LEVELS (AOTC_PROGRESS=1 means "info")
+    vllm_records: bool = True  # the vLLM plugin brings shipped AOT records in
+    allow_unsigned: bool = False  # unsigned entries may cross a machine boundary
+    signing_key: str | None = None  # a private key file: sign what is stored and pushed
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -77,6 +85,9 @@ class Settings:
             cache_home=Path(xdg).expanduser() if xdg else None,
             splitting_ops=text["splitting_ops"], compile_sizes=text["compile_sizes"],
             report=text["report"], fallback=text["fallback"],
+            vllm_records=(text["vllm_records"] or "1").lower() not in ("0", "false", "no"),
+            allow_unsigned=(text["allow_unsigned"] or "0").lower() not in ("0", "false", "no"),
+            signing_key=text["signing_key"],
         )
 
     @property

@@ -131,26 +131,41 @@ class Bench:
                 url = f"{self.remote}/run{i}"
                 self.pushes.append(self._push(store, url))
                 out["aotc-remote"].append(self._one("aotc-remote", self._fresh("ind-aotc3"),
-                                                    self._fresh("replica"), remote=url))
+                                                    self._fresh("replica"), remote=url,
+                                                    env={"AOTC_TRUST_KEYS": self._signer()[1]}))
             if i == self.runs - 1 and self.steady_sizes and {"tc-warm", "aotc-warm"} <= set(only):
                 # the steady-state ratio: both warm, one process, alternating blocks
                 self.pair = run_child(self._cfg("steady-pair", store), self._env(ind))["pair"]
                 say("  steady-pair " + ", ".join(f"{n} tok {p['ratio']:.3f}" for n, p in self.pair.items()))
         return {k: v for k, v in out.items() if k in only}
 
-    def _one(self, mode: str, inductor_dir: Path, store: Path, **extra: Any) -> dict[str, Any]:
-        res = run_child(self._cfg(mode, store, **extra), self._env(inductor_dir))
+    def _one(self, mode: str, inductor_dir: Path, store: Path, env: dict[str, str] | None = None,
+             **extra: Any) -> dict[str, Any]:
+        res = run_child(self._cfg(mode, store, **extra), {**self._env(inductor_dir), **(env or {})})
         pulled = f", pulled {res['pulled_bytes']} B" if res.get("pulled_bytes") else ""
         say(f"  {mode:10s} first output {res['ttfo']:7.2f}s  (compiles "
             f"{res['counters_end']['inductor_compiles']}, traces {res['counters_end']['dynamo_frames']}{pulled})")
         return res
 
+    def _signer(self) -> tuple[Path, str]:
+        """The build machine's signing key (made once) and its public key, which the replicas
+        trust: entries crossing machines need a trusted signature by default."""
+        path = self.work / "signing.key"
+        if not path.is_file():
+            from aotc.fleet.trust import generate_key
+
+            generate_key(path)
+        from aotc.fleet.trust import public_key_of
+
+        return path, public_key_of(path)
+
     def _push(self, store: Path, url: str) -> dict[str, Any]:
         """``aotc push`` the store's entries to ``url`` in a fresh process (what a build machine
         runs after compiling)."""
         t = time.perf_counter()
+        env = dict(self.base_env, AOTC_SIGNING_KEY=str(self._signer()[0]))  # a build machine signs
         out = subprocess.run([sys.executable, "-m", "aotc.cli", "--store", str(store), "push",
-                              "--to", url, "--json", "-q"], env=self.base_env, capture_output=True,
+                              "--to", url, "--json", "-q"], env=env, capture_output=True,
                              text=True, cwd=ROOT, timeout=600, check=False)
         if out.returncode != 0:
             raise SystemExit(f"aotc push failed:\n{out.stderr[-4000:]}")

@@ -8,7 +8,7 @@ import click
 
 from aotc.cache.humanize import format_size
 from aotc.cli.common import AppContext, guard, pass_app, print_json
-from aotc.cli.options import json_option, trust_option
+from aotc.cli.options import allow_unsigned_option, json_option, trust_option
 
 
 @click.command("export")
@@ -37,18 +37,22 @@ def export_command(app: AppContext, target: str, output: str, as_json: bool) -> 
 @click.command("import")
 @click.argument("bundle", type=click.Path(dir_okay=False, exists=True))
 @trust_option
+@allow_unsigned_option
 @json_option
 @pass_app
 @guard
-def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], as_json: bool) -> None:
-    """Verify BUNDLE completely (every digest; the signature under a trust policy), then add
-    its entry to the store. Importing an entry already there does nothing."""
+def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], allow_unsigned: bool,
+                   as_json: bool) -> None:
+    """Verify BUNDLE completely (every digest; a signature by a trusted key unless
+    --allow-unsigned), then add its entry to the store. Importing an entry already there does
+    nothing."""
     from aotc.fleet.bundle import import_bundle
 
     app.local_only("import")
     from aotc.fleet.trust import trust_policy
 
-    result = import_bundle(app.writable_store, Path(bundle), trusted=trust_policy(trust))
+    policy = trust_policy(trust, allow_unsigned=allow_unsigned)
+    result = import_bundle(app.writable_store, Path(bundle), trusted=policy)
     if as_json:
         print_json(result.to_json())
         return

@@ -10,7 +10,7 @@ import click
 
 from aotc.cache.humanize import format_size
 from aotc.cli.common import AppContext, echo_err, guard, print_json
-from aotc.cli.options import json_option, quiet_option, trust_option
+from aotc.cli.options import allow_unsigned_option, json_option, quiet_option, trust_option
 
 
 def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:
@@ -131,11 +131,12 @@ def _parse_sizes(ctx: click.Context, param: click.Parameter, value: str) -> list
               help="Token counts to run.")
 @click.option("--check-eager", is_flag=True, help="Compare with the eager model; exit 1 above tolerance.")
 @trust_option
+@allow_unsigned_option
 @json_option
 @click.pass_context
 @guard
 def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager: bool,
-                trust: tuple[str, ...], as_json: bool) -> None:
+                trust: tuple[str, ...], allow_unsigned: bool, as_json: bool) -> None:
     """Warm-start MANIFEST's compiled program in this process (no trace, no compile) and run it."""
     from aotc.manifest import load_manifest
     from aotc.runtime.report import check_report, run_manifest
@@ -143,8 +144,10 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
     m = load_manifest(manifest)
     remote = ctx.obj.remote()
     store = _store_for(ctx, m, create=remote is not None)  # pull-through writes into it
-    report = run_manifest(m, sizes, store=store, check_eager=check_eager, trust=trust,
-                          remote=remote)
+    from aotc.fleet.trust import TrustPolicy
+
+    report = run_manifest(m, sizes, store=store, check_eager=check_eager,
+                          trust=TrustPolicy(trust, allow_unsigned), remote=remote)
     if as_json:
         print_json(report)
     else:

@@ -23,6 +23,14 @@ def trust_option(fn: F) -> F:
                              "AOTC_TRUST_KEYS.")(fn)
 
 
+def allow_unsigned_option(fn: F) -> F:
+    """``--allow-unsigned``: accept entries from another machine that no trusted key signed (the
+    explicit opt-out; ``AOTC_ALLOW_UNSIGNED=1`` does the same; the ``allow_unsigned`` argument)."""
+    return click.option("--allow-unsigned", is_flag=True,
+                        help="Accept entries from a remote or bundle that no trusted key signed "
+                             "(as AOTC_ALLOW_UNSIGNED=1).")(fn)
+
+
 def quiet_option(fn: F) -> F:
     """``-q/--quiet``: no progress on stderr (the ``quiet`` argument)."""
     return click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")(fn)

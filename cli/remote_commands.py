@@ -10,7 +10,7 @@ import click
 
 from aotc.cache.humanize import format_size
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
-from aotc.cli.options import json_option, quiet_option, trust_option
+from aotc.cli.options import allow_unsigned_option, json_option, quiet_option, trust_option
 
 
 def _print(result: Any, as_json: bool, local: Path) -> None:
@@ -81,12 +81,13 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
 @click.option("--from", "url", default=None, metavar="s3://BUCKET/PREFIX",
               help="The remote store (default: --store / --remote / $AOTC_REMOTE).")
 @trust_option
+@allow_unsigned_option
 @quiet_option
 @json_option
 @pass_app
 @guard
 def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str, ...],
-                 quiet: bool, as_json: bool) -> None:
+                 allow_unsigned: bool, quiet: bool, as_json: bool) -> None:
     """Download TARGET's entry (a manifest — the remote entry it compiles to on this machine —
     or a remote key or unique prefix) into the local store, every blob verified first."""
     from aotc.cache import CacheMiss
@@ -95,7 +96,7 @@ def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str
     from aotc.progress import Progress
 
     remote = app.remote(url, required="pull")
-    store, trusted = app.writable_store, trust_policy(trust)
+    store, trusted = app.writable_store, trust_policy(trust, allow_unsigned=allow_unsigned)
     progress = Progress(sys.stderr, quiet=quiet or as_json)
     if Path(target).is_file():
         from aotc.lookup.toolchain import machine_factors

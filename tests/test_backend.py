@@ -173,10 +173,12 @@ def test_a_bad_vllm_manifest_names_the_field(tmp_path: Path) -> None:
     assert "vllm.max_model_len: must be a positive integer" in res.stderr
 
 
-def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, caplog) -> None:
+def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, caplog,
+                                                               monkeypatch) -> None:
     """An entry compiled here would be unsigned, so the policy would refuse it after minutes of
     compiling: the backend says so at once, compiling nothing of its own — raising under
-    ``fallback="error"``, else Inductor serves the graph with one warning line naming why."""
+    ``fallback="error"``, else Inductor serves the graph with one warning line naming why. With
+    ``AOTC_SIGNING_KEY`` naming a trusted key it compiles, signs and serves."""
     import aotc
     from aotc.counters import COUNTERS
     from aotc.errors import TrustError
@@ -199,6 +201,18 @@ def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, ca
     lines = aotc_warnings(caplog)
     assert len(lines) == 1 and "TrustError" in lines[0] and "inductor runs it instead" in lines[0]
     assert COUNTERS.compiles == before
+    # AOTC_SIGNING_KEY of a trusted key: this process signs what it compiles, so it may compile
+    torch._dynamo.reset()
+    monkeypatch.setenv("AOTC_SIGNING_KEY", str(tmp_path / "signer"))
+    signed = torch.compile(lambda x: torch.relu(x) * 4,
+                           backend=aotc.backend(store=str(tmp_path / "store"), trust=[public],
+                                                fallback="error"))
+    assert torch.equal(signed(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 8.0]))
+    torch._dynamo.reset()
+    from aotc.cache import Store
+
+    (key,) = Store(tmp_path / "store").keys()
+    assert public in Store(tmp_path / "store").signatures(key)
 
 
 def test_the_saved_record_names_an_absolute_store_and_loads_lazily(tmp_path: Path,

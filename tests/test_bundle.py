@@ -22,9 +22,10 @@ from aotc.fleet.bundle import BundleError, export_entry, import_bundle
 from aotc.cache import Store
 from aotc.cli import cli
 from aotc.manifest import load_manifest
-from aotc.fleet.trust import TrustError, generate_key, sign_entry
+from aotc.fleet.trust import TrustError, TrustPolicy, generate_key, sign_entry
 
 pytestmark = pytest.mark.slow
+ALLOW = TrustPolicy(allow_unsigned=True)  # the explicit opt-out, where a test is not about trust
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +60,17 @@ def test_round_trip_on_another_path_warm_starts_and_is_idempotent(bundle, tmp_pa
     text = path.read_bytes()
     assert b"/tmp/" not in text and str(Path.cwd()).encode() not in text  # relocatable
     root = tmp_path / "elsewhere" / "store"
-    first = CliRunner().invoke(cli, ["--store", str(root), "import", str(path), "--json"])
+    # an unsigned bundle comes from another machine: refused by default, the fix named
+    refused = CliRunner().invoke(cli, ["--store", str(root), "import", str(path)],
+                                 env={"AOTC_TRUST_KEYS": "", "AOTC_ALLOW_UNSIGNED": ""})
+    assert refused.exit_code == 1 and len(refused.output.strip().splitlines()) == 1
+    assert "no trusted key is set" in refused.output and "--allow-unsigned" in refused.output
+    first = CliRunner().invoke(cli, ["--store", str(root), "import", str(path), "--json",
+                                     "--allow-unsigned"])
     assert first.exit_code == 0, first.output
     assert json.loads(first.output)["imported"] is True
-    again = CliRunner().invoke(cli, ["--store", str(root), "import", str(path), "--json"])
+    again = CliRunner().invoke(cli, ["--store", str(root), "import", str(path), "--json"],
+                               env={"AOTC_ALLOW_UNSIGNED": "1"})
     assert again.exit_code == 0 and json.loads(again.output)["imported"] is False
     store = Store(root)
     assert store.keys() == [key]
@@ -157,7 +165,7 @@ def test_hostile_bundle_refused_store_untouched(bundle, tmp_path, make, needle) 
     bad = _write(tmp_path / "bad.aotc", make(_members(path)))
     store = Store(tmp_path / "store")
     with pytest.raises(BundleError, match=needle):
-        import_bundle(store, bad)
+        import_bundle(store, bad, ALLOW)
     assert store.keys() == [] and not list(store.blobs_dir.rglob("*")) and not list(store.tmp_dir.iterdir())
     assert not (tmp_path / "evil.py").exists() and not (tmp_path.parent / "evil.py").exists()
 
@@ -176,7 +184,7 @@ def test_truncated_bundle_refused(bundle, tmp_path, cut) -> None:
     bad = tmp_path / "cut.aotc"
     bad.write_bytes(data[: int(end * cut)])
     store = Store(tmp_path / "store")
-    res = CliRunner().invoke(cli, ["--store", str(store.root), "import", str(bad)])
+    res = CliRunner().invoke(cli, ["--store", str(store.root), "import", str(bad), "--allow-unsigned"])
     assert res.exit_code == 1 and "Error:" in res.output and "Traceback" not in res.output, res.output
     assert store.keys() == []
 
@@ -187,7 +195,7 @@ def test_trust_policy_applies_to_import(compiled, bundle, tmp_path) -> None:
     with pytest.raises(TrustError, match="not signed"):  # refused before any blob is staged
         import_bundle(Store(tmp_path / "a"), path, trusted=frozenset({public}))
     src = Store(tmp_path / "src")
-    import_bundle(src, path)
+    import_bundle(src, path, ALLOW)
     sign_entry(src, key, tmp_path / "k")
     signed = tmp_path / "signed.aotc"
     export_entry(src, key, signed)

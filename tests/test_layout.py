@@ -170,7 +170,8 @@ def test_aotc_variables_are_read_only_in_settings() -> None:
     assert set(ENV.values()) == {"AOTC_STORE", "AOTC_REMOTE", "AOTC_S3_ENDPOINT",
                                  "AOTC_TRUST_KEYS", "AOTC_LOADER", "AOTC_PROGRESS",
                                  "AOTC_SPLITTING_OPS", "AOTC_COMPILE_SIZES", "AOTC_REPORT", "AOTC_FALLBACK",
-                                 "AOTC_LOG"}
+                                 "AOTC_LOG", "AOTC_VLLM_RECORDS", "AOTC_ALLOW_UNSIGNED",
+                                 "AOTC_SIGNING_KEY"}
 
 
 @pytest.mark.slow

@@ -19,9 +19,18 @@ from aotc.cli import cli
 from aotc.fleet.remote import RemoteError, S3Remote
 from aotc.fleet.remote_scan import scan_remote, verify_remote
 from aotc.fleet.sync import pull_entry, push_entry
-from tests.conftest import AOTC_CLI, PYTHON, copy_store, python_env, run_cli
+from aotc.fleet.trust import TrustPolicy
+from tests.conftest import AOTC_CLI, PYTHON, aotc_warnings, copy_store, python_env, run_cli
 
 pytestmark = pytest.mark.slow
+ALLOW = TrustPolicy(allow_unsigned=True)  # the explicit opt-out: these tests are not about trust
+
+
+@pytest.fixture(autouse=True)
+def _unsigned_allowed(monkeypatch) -> None:
+    """Entries crossing machines need a trusted signature by default; the tests here are about
+    transport, so they opt out (AOTC_ALLOW_UNSIGNED=1) — but the trust tests, which clear it."""
+    monkeypatch.setenv("AOTC_ALLOW_UNSIGNED", "1")
 
 
 def _aotc(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -104,7 +113,7 @@ def test_damaged_remote_blob_is_refused_then_repaired(compiled, s3, tmp_path: Pa
 
     replica = Store(tmp_path / "replica")
     with pytest.raises(RemoteError, match=f"blob {victim[:16]}.*damaged.*nothing was pulled"):
-        pull_entry(remote, replica, key)
+        pull_entry(remote, replica, key, ALLOW)
     assert replica.keys() == [] and _local_files(replica) == []
     # The warm-start path refuses it the same way: one line, exit 1, nothing on stdout.
     res = CliRunner().invoke(cli, ["--store", str(tmp_path / "r2"), "--remote", url, "run",
@@ -121,7 +130,7 @@ def test_damaged_remote_blob_is_refused_then_repaired(compiled, s3, tmp_path: Pa
     fixed = push_entry(store, remote, key)  # a good store pushes it again: only that blob moves
     assert fixed.blobs_moved == 1
     assert verify_remote(remote).ok
-    assert pull_entry(remote, replica, key).moved and replica.keys() == [key]
+    assert pull_entry(remote, replica, key, ALLOW).moved and replica.keys() == [key]
 
 
 def _watch_records(remote: S3Remote, procs: list[subprocess.Popen]) -> int:
@@ -209,8 +218,10 @@ def test_interrupted_push_never_publishes_a_partial_entry(compiled, s3) -> None:
     assert verify_remote(remote).ok and [e.key for e in scan_remote(remote).entries] == [key]
 
 
-def test_trust_policy_applies_to_pulls(compiled, s3, tmp_path: Path) -> None:
+def test_trust_policy_applies_to_pulls(compiled, s3, tmp_path: Path, monkeypatch) -> None:
     from aotc.fleet.trust import TrustError, generate_key, sign_entry
+
+    monkeypatch.delenv("AOTC_ALLOW_UNSIGNED")
 
     _tmp, store, results = compiled
     k2, k4 = results[2][1].key, results[4][1].key
@@ -230,11 +241,19 @@ def test_trust_policy_applies_to_pulls(compiled, s3, tmp_path: Path) -> None:
     with pytest.raises(TrustError):
         pull_entry(remote, replica, k4, trusted=frozenset({public}))
     assert replica.keys() == [k2]
-    # A forged signature object beside a remote entry is refused under the policy, never stored.
+    # Secure by default: with no key at all, an unsigned entry from a remote is refused, the
+    # fix named; the explicit opt-out lets it in (and stores no signature).
+    with pytest.raises(TrustError, match="no trusted key is set.*AOTC_ALLOW_UNSIGNED=1"):
+        pull_entry(remote, replica, k4)
+    assert replica.keys() == [k2]
+    # A forged signature object beside a remote entry is refused, never stored — even with the
+    # opt-out (it accepts unsigned entries, not tampered ones).
     remote.put(remote.signature_name(k4, public), b"00" * 64)
-    with pytest.raises(TrustError):
-        pull_entry(remote, replica, k4, trusted=frozenset({public}))
-    assert pull_entry(remote, replica, k4).moved and replica.signatures(k4) == {}
+    for policy in (frozenset({public}), ALLOW):
+        with pytest.raises(TrustError, match="does not match its contents"):
+            pull_entry(remote, replica, k4, trusted=policy)
+    remote.delete(remote.signature_name(k4, public))
+    assert pull_entry(remote, replica, k4, ALLOW).moved and replica.signatures(k4) == {}
 
 
 def test_damaged_remote_record_and_cli_errors(compiled, s3, tmp_path: Path) -> None:
@@ -259,11 +278,11 @@ def test_damaged_remote_record_and_cli_errors(compiled, s3, tmp_path: Path) -> N
     res = runner.invoke(cli, ["--store", url, "inspect", "cache"])
     assert res.exit_code == 0 and "[BAD]" in res.output
     fixed = push_entry(store, remote, key)  # a damaged record is replaced by a push
-    assert fixed.moved and pull_entry(remote, Store(local), key).moved
+    assert fixed.moved and pull_entry(remote, Store(local), key, ALLOW).moved
 
     # Junk beside an entry never blocks it: an oversized "signature" object is ignored.
     remote.put(f"signatures/{key}/" + "ab" * 32, b"0" * 5000)
-    assert pull_entry(remote, Store(tmp_path / "l2"), key).moved
+    assert pull_entry(remote, Store(tmp_path / "l2"), key, ALLOW).moved
     # A blob padded past the size its record gives (zstd skippable frames decompress to the
     # same bytes) is refused before it is read in full.
     victim = next(iter(_digests(store, key)))
@@ -323,3 +342,64 @@ def test_a_remote_aotc_store_is_not_a_directory(monkeypatch, tmp_path: Path) -> 
     app = AppContext(None)
     assert app.store_is_remote and app.store_path == tmp_path / "xdg" / "aotc"
     assert app.remote().url == "s3://bucket/prefix"
+
+
+def test_secure_by_default_across_machines(compiled, s3, tmp_path: Path, monkeypatch) -> None:
+    """An unsigned entry from a remote: a warm start refuses it in one line naming the fix; the
+    opt-out loads it (said once); AOTC_SIGNING_KEY makes `push` sign, and a replica trusting
+    that key loads it with no opt-out."""
+    from aotc.fleet.trust import generate_key
+
+    monkeypatch.delenv("AOTC_ALLOW_UNSIGNED")
+    _tmp, store, results = compiled
+    manifest, key = results[2][0], results[2][1].key
+    url = f"s3://{s3()}/plain"
+    push_entry(store, S3Remote(url), key)
+    run = ["--store", str(tmp_path / "r1"), "--remote", url, "run", str(manifest), "--sizes", "3"]
+    refused = run_cli(*run)
+    assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
+    assert "none signed by a trusted key" in refused.stderr and "AOTC_ALLOW_UNSIGNED=1" in refused.stderr
+    assert Store(tmp_path / "r1").keys() == []  # nothing pulled
+    allowed = run_cli(*run, "--allow-unsigned", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["pulled_bytes"] > 0
+    said = [ln for ln in allowed.stderr.splitlines() if "AOTC_ALLOW_UNSIGNED" in ln]
+    assert len(said) == 1 and url in said[0]
+
+    signer = tmp_path / "ci.key"
+    public = generate_key(signer)
+    signed_url = f"s3://{s3()}/signed"
+    env = {**python_env(), "AOTC_SIGNING_KEY": str(signer)}
+    run_cli("--store", str(store.root), "push", key, "--to", signed_url, env=env, check=True)
+    replica = ["--store", str(tmp_path / "r2"), "--remote", signed_url, "run", str(manifest),
+               "--sizes", "3", "--json"]
+    loaded = run_cli(*replica, env={**python_env(), "AOTC_TRUST_KEYS": public}, check=True)
+    assert json.loads(loaded.stdout)["key"] == key and "AOTC_ALLOW_UNSIGNED" not in loaded.stderr
+    assert public in Store(tmp_path / "r2").signatures(key)
+
+
+def test_a_backend_replica_without_keys_compiles_locally_instead(s3, tmp_path: Path, monkeypatch,
+                                                               caplog) -> None:
+    """A graph pushed unsigned by one process; a fresh replica with no keys refuses the remote
+    entry with one warning line and compiles the graph itself — the server never dies of it."""
+    import torch
+
+    import aotc
+
+    monkeypatch.delenv("AOTC_ALLOW_UNSIGNED")
+    url = f"s3://{s3()}/graphs"
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x) * 3 + 1
+
+    x = torch.randn(5, 8)
+    built = torch.compile(fn, backend=aotc.backend(store=str(tmp_path / "builder"), remote=url))
+    assert torch.allclose(built(x), fn(x))
+    torch._dynamo.reset()
+    caplog.clear()
+    replica = torch.compile(fn, backend=aotc.backend(store=str(tmp_path / "replica"), remote=url))
+    assert torch.allclose(replica(x), fn(x))
+    torch._dynamo.reset()
+    lines = [ln for ln in aotc_warnings(caplog) if "could not pull" in ln]
+    assert len(lines) == 1 and "no trusted key is set" in lines[0] and "compiling it here" in lines[0]
+    assert len(Store(tmp_path / "replica").keys()) == 1  # compiled and stored here, unsigned

@@ -15,7 +15,16 @@ start the default way.
 - warm: a fresh process, empty vLLM and Inductor dirs: Dynamo traces, the backend hits;
 - kept: the warm run's vLLM cache kept: vLLM loads its AOT file, the backend is never called;
 - no-aot: ``VLLM_USE_AOT_COMPILE=0``: the backend is called at start and hits;
-- node: a fresh node, empty local store: pulled through from the remote;
+- node: a fresh node, empty local store: pulled through from the remote (the cold run signed
+  what it pushed with ``AOTC_SIGNING_KEY``; the node trusts that key: entries crossing machines
+  need a trusted signature);
+- compiled: ``aotc compile`` of a manifest naming the same engine: a hit on the graph, and vLLM's
+  AOT record stored (:mod:`aotc.vllm.aot_records`) and pushed, signed;
+- replica: a new node — empty local store, empty vLLM cache, vLLM's default process layout, only
+  ``AOTC_STORE``/``AOTC_REMOTE``/``AOTC_TRUST_KEYS`` set: it starts like a restart (the record
+  pulled and put where vLLM looks; neither Dynamo nor the backend runs);
+- other-batch: the same but ``max_num_batched_tokens`` changed: vLLM's own hash differs, so no
+  record is found and vLLM traces (the backend hits the stored graph);
 - ``aotc compile`` of a manifest naming a changed model config: a clean miss, a new entry.
 """
 
@@ -51,10 +60,14 @@ class Lab:
     """The session's engine runs, each made once on first use (module doc)."""
 
     def __init__(self, tmp: Path, remote: str) -> None:
+        from aotc.fleet.trust import generate_key
+
         self.tmp, self.remote = tmp, remote
         self.model = write_model(tmp / "tiny-llama")
         self.store = tmp / "store"
         self.runs: dict[str, dict[str, Any]] = {}
+        self.signing_key = tmp / "build.key"  # the build machine signs, the replicas trust it
+        self.public = generate_key(self.signing_key)
 
     def env(self, name: str, **extra: str) -> dict[str, str]:
         d = self.tmp / name
@@ -64,13 +77,13 @@ class Lab:
                 "VLLM_CACHE_ROOT": str(d / "vllm-cache"), "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"),
                 "AOTC_STORE": str(self.store), "AOTC_REPORT": str(d / "report.jsonl"), **extra}
 
-    def run(self, name: str, backend: str = "aotc", **extra: str) -> dict[str, Any]:
+    def run(self, name: str, backend: str = "aotc", batched: int = 256, **extra: str) -> dict[str, Any]:
         if name not in self.runs:
             from aotc.vllm.generate import run_fresh
 
             env = self.env(name, **extra)
             spec = {"backend": backend, "model": str(self.model), "max_model_len": 256,
-                    "max_num_batched_tokens": 256, "prompts": PROMPTS, "max_tokens": 16}
+                    "max_num_batched_tokens": batched, "prompts": PROMPTS, "max_tokens": 16}
             out = run_fresh(spec, env, log=self.tmp / name / "engine.log")
             report = Path(env["AOTC_REPORT"])
             out["report"] = [json.loads(x) for x in report.read_text().splitlines()] if report.is_file() else []
@@ -81,20 +94,43 @@ class Lab:
 
     def ordered(self, name: str) -> dict[str, Any]:
         """Run ``name`` after the runs it builds on."""
-        order = ["eager", "cold", "warm", "kept", "no-aot", "node"]
+        order = ["eager", "cold", "warm", "kept", "no-aot", "node", "compiled", "replica", "other-batch"]
         for prior in order[: order.index(name) + 1]:
             kw: dict[str, str] = {}
+            if prior == "compiled":
+                self.compile_records()
+                continue
             if prior == "cold":
-                kw = {"AOTC_REMOTE": self.remote}
+                kw = {"AOTC_REMOTE": self.remote, "AOTC_SIGNING_KEY": str(self.signing_key)}
             elif prior == "kept":  # the warm run's vLLM cache, kept
                 kw = {"VLLM_CACHE_ROOT": self.runs["warm"]["env"]["VLLM_CACHE_ROOT"]}
             elif prior == "no-aot":
                 kw = {"VLLM_USE_AOT_COMPILE": "0"}
             elif prior == "node":
                 kw = {"AOTC_STORE": str(self.tmp / "node-store"), "AOTC_REMOTE": self.remote,
+                      "AOTC_TRUST_KEYS": self.public,
                       "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default: a spawned worker
-            self.run(prior, "eager" if prior == "eager" else "aotc", **kw)
+            elif prior in ("replica", "other-batch"):  # new nodes: nothing local
+                kw = {"AOTC_STORE": str(self.tmp / f"{prior}-store"), "AOTC_REMOTE": self.remote,
+                      "AOTC_TRUST_KEYS": self.public, "AOTC_LOG": "info"}
+                if prior == "replica":
+                    kw["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # vLLM's default layout
+            self.run(prior, "eager" if prior == "eager" else "aotc",
+                     batched=128 if prior == "other-batch" else 256, **kw)
         return self.runs[name]
+
+    def compile_records(self) -> None:
+        """``aotc compile`` of a manifest naming the lab's engine, pushing (signed) to the remote."""
+        if "compiled" in self.runs:
+            return
+        manifest = self.tmp / "tiny.yaml"
+        manifest.write_text(f"name: tiny-llama-vllm\nvllm:\n  model: {self.model.name}\n"
+                            "  dtype: float32\n  max_model_len: 256\n  max_num_batched_tokens: 256\n")
+        env = {**self.env("compiled"), "AOTC_REPORT": "", "AOTC_REMOTE": self.remote,
+               "AOTC_SIGNING_KEY": str(self.signing_key)}
+        res = run_cli("--store", str(self.store), "compile", str(manifest), "--json", env=env,
+                      timeout=900, check=True)
+        self.runs["compiled"] = {**json.loads(res.stdout), "stderr": res.stderr}
 
 
 @pytest.fixture(scope="session")
@@ -145,12 +181,42 @@ def test_a_fresh_node_pulls_the_entry_through_from_the_remote(lab: Lab) -> None:
     assert "(Worker pid=" in run["log"] and "(Worker pid=" not in lab.runs["cold"]["log"]
 
 
+def test_a_new_replica_starts_like_a_restart_from_the_shipped_record(lab: Lab) -> None:
+    compiled = lab.ordered("compiled")
+    cold_key = lab.runs["cold"]["report"][0]["key"]
+    assert compiled["hit"] is True and compiled["key"] == cold_key
+    (record,) = compiled["vllm_records"]  # one layout: vLLM's default
+    replica = lab.ordered("replica")
+    assert replica["tokens"] == lab.runs["eager"]["tokens"]
+    assert replica["report"] == []  # the backend was never called: no Dynamo, no compile
+    log = replica["log"]
+    assert "Directly load AOT compilation" in log and "saved AOT compiled function" not in log
+    assert "Compiling model again" not in log
+    assert "(Worker pid=" in log  # the default layout: engine core and worker processes
+    from aotc.cache import Store
+
+    got = Store(lab.tmp / "replica-store")
+    assert {record, cold_key} <= set(got.keys())  # pulled through, both signed by the build key
+    assert all(lab.public in got.signatures(k) for k in (record, cold_key))
+    assert _kernel_files(Path(replica["env"]["TORCHINDUCTOR_CACHE_DIR"])) == []
+
+
+def test_a_changed_engine_config_never_loads_anothers_record(lab: Lab) -> None:
+    run = lab.ordered("other-batch")  # max_num_batched_tokens 128: vLLM computes another hash
+    assert run["tokens"] == lab.runs["eager"]["tokens"]
+    assert "Directly load AOT compilation" not in run["log"]
+    assert "saved AOT compiled function" in run["log"]  # Dynamo traced, vLLM saved its own
+    assert "no record for vLLM hash" in run["log"]
+    assert [r["hit"] for r in run["report"]] == [True]  # the graph itself is the same: pulled
+
+
 def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(lab: Lab) -> None:
     cold_key = lab.ordered("cold")["report"][0]["key"]
     model = write_model(lab.tmp / "tiny-llama-wider", intermediate_size=384)
     manifest = lab.tmp / "wider.yaml"
     manifest.write_text(f"name: tiny-llama-wider\nvllm:\n  model: {model.name}\n"
-                        "  dtype: float32\n  max_model_len: 256\n  max_num_batched_tokens: 256\n")
+                        "  dtype: float32\n  max_model_len: 256\n  max_num_batched_tokens: 256\n"
+                        "  layouts: [in-process]\n")  # one process: the quicker start here
     env = {**lab.env("compile"), "AOTC_REPORT": ""}
     res = run_cli("--store", str(lab.store), "compile", str(manifest), "--json", env=env, timeout=900,
                   check=True)
@@ -162,4 +228,5 @@ def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(l
     listed = json.loads(run_cli("--store", str(lab.store), "inspect", "cache", "--json", env=env,
                                 check=True).stdout)
     keys = {e["key"] for e in listed["entries"]}
-    assert {cold_key, out["key"]} <= keys and len(keys) == 2
+    assert {cold_key, out["key"]} <= keys and len(out["vllm_records"]) == 1
+    assert set(out["vllm_records"]) <= keys

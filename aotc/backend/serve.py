@@ -142,15 +142,16 @@ class AotcBackend:
             except CacheMiss:
                 if hit:
                     raise
-            except RemoteError as e:  # an unreachable or damaged remote: compile here instead
+            except (RemoteError, TrustError) as e:  # unreachable, damaged or refused: compile here
                 if hit:
                     raise
                 _log.warning(f"aotc: warning: could not pull {key[:16]}… from {remote.url}: {e}; "
                              "compiling it here")
-        if trusted:  # an entry built here is unsigned: the policy would refuse it after the compile
+        if trusted and not _signs_trusted(settings, trusted):  # the policy would refuse our build
             raise TrustError(f"graph {key[:16]}… is in neither the store nor the remote, and a trust "
-                             "policy is set (AOTC_TRUST_KEYS / trust=): compile it where no policy "
-                             "is set, sign it (`aotc sign`) and push it")
+                             "policy is set (AOTC_TRUST_KEYS / trust=): set AOTC_SIGNING_KEY to a "
+                             "trusted key so this process signs what it compiles, or compile it "
+                             "where it is signed and push it")
         if store.read_only:
             raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
         progress = Progress()  # phase lines on the aotc.progress logger
@@ -238,3 +239,12 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     if _DEFAULT is None:
         _DEFAULT = AotcBackend(BackendConfig())
     return _DEFAULT(gm, example_inputs, **kwargs)
+
+
+def _signs_trusted(settings: Any, trusted: frozenset[str]) -> bool:
+    """Whether ``AOTC_SIGNING_KEY`` signs with a key the policy trusts (so a build here loads)."""
+    if not settings.signing_key:
+        return False
+    from aotc.fleet.trust import public_key_of
+
+    return public_key_of(settings.signing_key) in trusted

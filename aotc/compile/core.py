@@ -38,6 +38,7 @@ from aotc.compile.workers import (
     resumed_from,
 )
 from aotc.errors import AotcError, NumericMismatchError
+from aotc.fleet.trust import sign_if_configured
 from aotc.progress import Progress
 from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, artifact_role, kernel_roles, wrapper_role
 from aotc.runtime.rehydrate import rehydrate
@@ -141,6 +142,8 @@ def build(store: Any, job: Job, progress: Progress, seconds: dict[str, float]) -
             "profile": done.profile, "kernels": done.kernels, **job.metadata,
         }
         entry = store.put(job.key, job.name, blobs, factors=job.factors, metadata=metadata)
+        if sign_if_configured(store, job.key):  # AOTC_SIGNING_KEY: a CI job's entries arrive signed
+            progress.phase("signed", f"key {job.key[:16]}… with AOTC_SIGNING_KEY")
         seconds["store"] = time.perf_counter() - t
         claimed.finished()  # stored: the checkpoints go (unless another compile still uses them)
     progress.phase("stored", f"key {job.key[:16]}… ({entry.stored_size} bytes in {len(entry.blobs)} blobs)")

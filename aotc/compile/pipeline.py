@@ -56,6 +56,7 @@ class CompileResult:
     profile: dict[str, float] = field(default_factory=dict)  # compile seconds by step, all pieces
     # C++ kernel libraries the compiles built, and took from the compile's pool (aotc._torch.kernel_pool)
     kernels: dict[str, int] = field(default_factory=dict)
+    vllm_records: list[str] = field(default_factory=list)  # a vLLM manifest: vLLM's AOT records stored
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "hit": self.hit, "pieces": self.pieces,
@@ -64,7 +65,8 @@ class CompileResult:
                 "max_abs_err": self.max_abs_err, "numerics": self.numerics,
                 "warnings": list(self.warnings), "store": self.store, "resumed": self.resumed,
                 "resumed_from": self.resumed_from if self.resumed else None,
-                "shared": self.shared, "profile": self.profile, "kernels": self.kernels}
+                "shared": self.shared, "profile": self.profile, "kernels": self.kernels,
+                **({"vllm_records": self.vllm_records} if self.vllm_records else {})}
 
 
 def check_sizes(manifest: Manifest) -> list[int]:

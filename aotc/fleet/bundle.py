@@ -102,7 +102,7 @@ def import_bundle(store: Store, path: str | os.PathLike[str],
                 raise BundleError(f"{where}: {RECORD} is not a valid bundle record ({e})") from None
             sizes = {b.digest: (b.size, b.stored_size) for b in entry.blobs.values()}
             payload = store.signing_payload(entry)
-            enforce_payload(payload, sigs, trusted, entry)  # before any blob
+            enforce_payload(payload, sigs, trusted, entry, crossing=where)  # before any blob
             sigs = valid_signatures(payload, sigs)  # a bad one is never stored
             if same_content(store, entry):  # the same content: only add its signatures
                 for public, sig in sigs.items():

@@ -105,7 +105,10 @@ def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
                progress: Progress | None = None) -> Transfer:
     """Push local entry ``key`` to ``remote`` (see module doc). ``force`` re-uploads every blob
     and replaces the remote's record (the repair for a damaged remote entry)."""
+    from aotc.fleet.trust import sign_if_configured
+
     progress = progress or Progress(quiet=True)
+    sign_if_configured(store, key)  # AOTC_SIGNING_KEY: what is pushed arrives signed
     entry = store.get(key, record=False)
     for role in entry.blobs:  # never ship damaged bytes (marks the entry bad if so)
         store.verify_blob(entry, role)
@@ -222,7 +225,7 @@ def pull_entry(remote: S3Remote, store: Store, key: str, trusted: frozenset[str]
                                   "(`aotc push` on a machine that compiled it)")
     sigs = remote_signatures(remote, key)
     payload = store.signing_payload(entry)
-    enforce_payload(payload, sigs, trusted, entry)  # before any blob
+    enforce_payload(payload, sigs, trusted, entry, crossing=remote.url)  # before any blob
     sigs = valid_signatures(payload, sigs)  # an invalid one is never stored
     digests = {b.digest: b.size for b in entry.blobs.values()}
     if same_content(store, entry):
@@ -351,18 +354,20 @@ def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any],
         code = entry.factors.get("code", {})
         if not _safe_code_paths(code):
             continue
-        if trusted and payload_state(Store.signing_payload(entry), remote_signatures(remote, key),
-                                     trusted) != "trusted":
+        if not getattr(trusted, "allow_unsigned", False) and payload_state(
+                Store.signing_payload(entry), remote_signatures(remote, key), trusted) != "trusted":
             untrusted += 1
             continue
         if sources_unchanged(key, code, base, manifest):
             return entry
     if untrusted:
-        from aotc.fleet.trust import TrustError
+        from aotc.fleet.trust import TRUST_ENV, UNSIGNED_ENV, TrustError
 
         raise TrustError(f"{remote.url}: {untrusted} entr{'y' if untrusted == 1 else 'ies'} of "
                          f"{manifest.name} for this machine, none signed by a trusted key; refused "
-                         "(sign it where it was built: `aotc sign`, then `aotc push`)")
+                         f"(sign where it is built: AOTC_SIGNING_KEY or `aotc sign`, then `aotc "
+                         f"push`; trust that key with {TRUST_ENV}; or {UNSIGNED_ENV}=1 to accept "
+                         "unsigned entries)")
     if damage is not None:
         raise damage
     return None

@@ -3,11 +3,19 @@ and only when signing or a policy is in force).
 
 A signature covers ``Store.signing_payload(entry)``: the entry's record (key, name, factors,
 metadata) and every blob's role and sha256. Blob bytes are re-hashed on every read, so a valid
-signature over the digests vouches for every byte the loader will execute. With a policy — public
-keys from ``AOTC_TRUST_KEYS`` (hex keys or files holding one, separated by commas or spaces) or
-given explicitly — the loader checks the entry right after looking it up, before any blob is
-read, unpickled or dlopen-ed, and refuses an unsigned or wrongly signed entry. Without a policy
-nothing changes (digests are still verified).
+signature over the digests vouches for every byte the loader will execute.
+
+Secure by default, as Nix treats what a substituter brings in: an entry that crosses a machine
+boundary — a pull, a pull-through, a bundle import — is checked there, before any blob is
+fetched, and needs a valid signature by a trusted key (``AOTC_TRUST_KEYS``: hex keys or files
+holding one, separated by commas or spaces; or given explicitly) unless the user opts out
+(``AOTC_ALLOW_UNSIGNED=1`` / ``--allow-unsigned``, said once per source on the ``aotc`` logger).
+A signature that does not match its entry (tampered) is refused even then. What this machine
+compiled itself loads without any key. With trusted keys set, the loader also checks every entry
+it loads, local ones included, before any blob is read, unpickled or dlopen-ed — so a node that
+must run only what CI signed says so with the keys alone. ``AOTC_SIGNING_KEY`` (a key file from
+``aotc keygen``) makes a compile, the backend and a push sign what they store
+(:func:`sign_if_configured`).
 
 Why ed25519: small keys (32 bytes, printable as 64 hex chars), deterministic signatures, fast
 verification, and one well-maintained implementation in ``cryptography``.
@@ -22,9 +30,27 @@ from typing import Any
 
 from aotc.cache import Entry, Store
 from aotc.errors import AotcError, TrustError
+from aotc.log import logger
 from aotc.settings import ENV, Settings, current
 
 TRUST_ENV = ENV["trust_keys"]  # for messages: the variable is read in aotc.settings
+UNSIGNED_ENV = ENV["allow_unsigned"]
+_WARNED: set[str] = set()  # sources whose unsigned entries were let in, said once each
+
+
+class TrustPolicy(frozenset[str]):
+    """The trusted public keys (a frozenset of hex keys: empty = no keys) and whether unsigned
+    entries may cross a machine boundary (``allow_unsigned``, the explicit opt-out)."""
+
+    allow_unsigned: bool
+
+    def __new__(cls, keys: Iterable[str] = (), allow_unsigned: bool = False) -> TrustPolicy:
+        self = super().__new__(cls, keys)
+        self.allow_unsigned = allow_unsigned
+        return self
+
+    def __repr__(self) -> str:
+        return f"TrustPolicy({sorted(self)!r}, allow_unsigned={self.allow_unsigned})"
 
 
 def _crypto() -> Any:
@@ -81,11 +107,34 @@ def _parse_public(text: str) -> str:
     return text.lower()
 
 
-def trust_policy(explicit: Iterable[str] = (), settings: Settings | None = None) -> frozenset[str]:
-    """The trusted public keys: ``explicit`` ones plus the settings' (``AOTC_TRUST_KEYS``).
-    Empty = no policy (entries are loaded whether signed or not)."""
-    found = [*explicit, *(settings or current()).trust_keys]
-    return frozenset(_parse_public(t) for t in found if t.strip())
+def trust_policy(explicit: Iterable[str] = (), settings: Settings | None = None,
+                 allow_unsigned: bool = False) -> TrustPolicy:
+    """The trusted public keys — ``explicit`` ones plus the settings' (``AOTC_TRUST_KEYS``) — and
+    the opt-out (``allow_unsigned``, an ``explicit`` ``TrustPolicy``'s, or the settings'
+    ``AOTC_ALLOW_UNSIGNED``)."""
+    settings = settings or current()
+    found = [*explicit, *settings.trust_keys]
+    allow = allow_unsigned or settings.allow_unsigned or getattr(explicit, "allow_unsigned", False)
+    return TrustPolicy((_parse_public(t) for t in found if t.strip()), bool(allow))
+
+
+def public_key_of(private_key_path: Path | str) -> str:
+    """The public key (hex) of the private key in that file."""
+    return str(_private_key(private_key_path).public_key().public_bytes_raw().hex())
+
+
+def sign_if_configured(store: Store, key: str, settings: Settings | None = None) -> str | None:
+    """Sign entry ``key`` with ``AOTC_SIGNING_KEY`` when it is set (and that key has not signed
+    it yet); returns the signer's public key, or None when no signing key is configured."""
+    path = (settings or current()).signing_key
+    if not path:
+        return None
+    private = _private_key(path)
+    public = private.public_key().public_bytes_raw().hex()
+    if public not in store.signatures(key):
+        entry = store.get(key, record=False)
+        store.add_signature(key, public, private.sign(store.signing_payload(entry)).hex())
+    return str(public)
 
 
 def signature_state(store: Store, entry: Entry, trusted: frozenset[str]) -> str:
@@ -123,25 +172,44 @@ def payload_state(payload: bytes, sigs: dict[str, str], trusted: frozenset[str])
 
 
 def enforce(store: Store, entry: Entry, trusted: frozenset[str]) -> None:
-    """Raise ``TrustError`` unless ``entry`` is signed by a key in ``trusted`` (no-op when the
-    policy is empty)."""
+    """Raise ``TrustError`` unless ``entry`` (in the local store) is signed by a key in
+    ``trusted``; no check without trusted keys (what is local was compiled here, or was checked
+    when it crossed into this store). ``allow_unsigned`` lets unsigned entries load."""
     if trusted:
         enforce_payload(store.signing_payload(entry), store.signatures(entry.key), trusted, entry)
 
 
 def enforce_payload(payload: bytes, sigs: dict[str, str], trusted: frozenset[str],
-                    entry: Entry) -> None:
-    """``enforce`` for a payload and signatures held outside a store (a bundle being imported)."""
-    if not trusted:
+                    entry: Entry, crossing: str | None = None) -> None:
+    """The check for a payload and its signatures. ``crossing``: where the entry comes from when
+    it crosses a machine boundary (a remote URL, a bundle path) — then a trusted signature is
+    needed even without keys, unless the policy allows unsigned entries; otherwise only under
+    trusted keys (:func:`enforce`)."""
+    if not trusted and crossing is None:
         return
     state = payload_state(payload, sigs, trusted)
-    if state != "trusted":
-        why = {"unsigned": "it is not signed",
-               "bad-signature": "its signature does not match its contents (tampered?)",
-               "untrusted-signer": "it is signed, but by no trusted key"}[state]
-        raise TrustError(f"refusing entry {entry.key[:16]}… ({entry.name}): {why}; trusted keys "
-                         f"come from {TRUST_ENV} / --trust; sign with `aotc sign {entry.key[:16]} "
-                         "--key KEYFILE`")
+    if state == "trusted":
+        return
+    allow = getattr(trusted, "allow_unsigned", False)
+    if allow and state != "bad-signature":
+        source = crossing or "this store"
+        if source not in _WARNED:
+            _WARNED.add(source)
+            logger("trust").warning("aotc: %s: loading entries not signed by a trusted key from %s",
+                                    UNSIGNED_ENV, source)
+        return
+    why = {"unsigned": "it is not signed",
+           "bad-signature": "its signature does not match its contents (tampered?)",
+           "untrusted-signer": "it is signed, but by no trusted key"}[state]
+    if crossing is not None and not trusted and state != "bad-signature":
+        raise TrustError(f"refusing entry {entry.key[:16]}… ({entry.name}) from {crossing}: {why} "
+                         f"and no trusted key is set; set {TRUST_ENV} (or --trust) to the public "
+                         f"key it is signed with, or {UNSIGNED_ENV}=1 / --allow-unsigned to accept "
+                         "unsigned entries")
+    source = f" from {crossing}" if crossing else ""
+    raise TrustError(f"refusing entry {entry.key[:16]}… ({entry.name}){source}: {why}; trusted keys "
+                     f"come from {TRUST_ENV} / --trust; sign with `aotc sign {entry.key[:16]} "
+                     "--key KEYFILE` (or AOTC_SIGNING_KEY where it is built)")
 
 
 def signature_report(store: Store, trusted: frozenset[str]) -> list[dict[str, Any]]:

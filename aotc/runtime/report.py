@@ -12,7 +12,7 @@ from aotc.errors import NumericMismatchError
 
 
 def run_manifest(manifest_path: Any, sizes: Sequence[int], store: Any = None,
-                 check_eager: bool = False, trust: Sequence[str] = (),
+                 check_eager: bool = False, trust: Any = (),
                  remote: Any = None) -> dict[str, Any]:
     """Load, run each size once, and report as a JSON-able dict (see ``aotc run --help``)."""
     import torch

@@ -8,6 +8,7 @@ aotc backend, so the store (and the remote, when set) holds the program every re
       max_model_len: 256
       max_num_batched_tokens: 256  # the largest batch the engine traces and profiles with
       engine_args: {}              # any other vllm.LLM keyword argument
+      layouts: [default]           # the process layouts replicas start in (each stores vLLM's AOT record)
     compile_sizes: []              # the backend's static sizes (default: the dynamic artifact only)
     splitting_ops: null            # default: vLLM's attention ops (aotc.backend.config.DEFAULT_SPLITTING_OPS)
     store: null
@@ -15,6 +16,12 @@ aotc backend, so the store (and the remote, when set) holds the program every re
 The key is the graph's (:mod:`aotc.backend.graphkey`): vLLM builds it from the model config and
 the engine arguments, so the engine has to trace once to know it — a second compile of an
 unchanged manifest starts the engine, finds the entry and compiles nothing.
+
+vLLM's own AOT record of the run (:mod:`aotc.vllm.aot_records`) is stored and pushed with the
+entry, one per process layout in ``vllm.layouts`` — vLLM's hash differs between its default
+layout (``default``: an engine-core and a worker process, as ``vllm serve`` and ``vllm.LLM``
+start) and one process (``in-process``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) — so a new replica
+in that layout starts like a restart. Each layout is one engine start (the first compiles).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from aotc.manifest import read_manifest_yaml
 __all__ = ["VllmManifest", "compile_vllm", "is_vllm_manifest", "load_vllm_manifest"]
 
 _TOP = {"name", "vllm", "compile_sizes", "splitting_ops", "store"}
-_VLLM = {"model", "dtype", "max_model_len", "max_num_batched_tokens", "engine_args"}
+_VLLM = {"model", "dtype", "max_model_len", "max_num_batched_tokens", "engine_args", "layouts"}
+# process layout -> VLLM_ENABLE_V1_MULTIPROCESSING (vLLM's hash, and so its record, differs)
+LAYOUTS = {"default": "1", "in-process": "0"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class VllmManifest:
     splitting_ops: tuple[str, ...] | None = None
     store: Path | None = None
     path: Path | None = None
+    layouts: tuple[str, ...] = ("default",)
 
 
 def is_vllm_manifest(path: str | Path) -> bool:
@@ -104,13 +114,18 @@ def load_vllm_manifest(path: str | Path) -> VllmManifest:
     ops = data.get("splitting_ops")
     if ops is not None and (not isinstance(ops, list) or any("::" not in str(o) for o in ops)):
         raise bad("splitting_ops", "must be a list of 'namespace::op' names, or null for the defaults")
+    layouts = v.get("layouts", ["default"])
+    if (not isinstance(layouts, list) or not layouts
+            or any(not isinstance(x, str) or x not in LAYOUTS for x in layouts)):
+        raise bad("vllm.layouts", f"must be a non-empty list of {' / '.join(LAYOUTS)}, got {layouts!r}")
     store = data.get("store")
     return VllmManifest(
         name=name, model=model, dtype=str(v.get("dtype", "float32")),
         max_model_len=int(ints["max_model_len"] or 256),
         max_num_batched_tokens=ints["max_num_batched_tokens"], engine_args=dict(v.get("engine_args") or {}),
         compile_sizes=tuple(sorted(set(sizes))), splitting_ops=None if ops is None else tuple(ops),
-        store=None if store is None else (path.parent / store).resolve(), path=path)
+        store=None if store is None else (path.parent / store).resolve(), path=path,
+        layouts=tuple(dict.fromkeys(layouts)))
 
 
 def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
@@ -134,25 +149,28 @@ def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
                    TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"),
                    AOTC_COMPILE_SIZES=",".join(str(s) for s in manifest.compile_sizes))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # offline: one process starts faster
+        env["AOTC_VLLM_RECORDS"] = "0"  # trace here even when a record is stored: it is rewritten
         if manifest.splitting_ops is not None:
             env["AOTC_SPLITTING_OPS"] = ",".join(manifest.splitting_ops)
         spec = {"backend": "aotc", "model": str(manifest.model), "dtype": manifest.dtype,
                 "max_model_len": manifest.max_model_len,
                 "max_num_batched_tokens": manifest.max_num_batched_tokens,
                 "engine_args": manifest.engine_args, "prompts": [[1, 2, 3, 4]], "max_tokens": 2}
-        run_fresh(spec, env)
+        for layout in manifest.layouts:  # one engine start each; the first one compiles
+            run_fresh(spec, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": LAYOUTS[layout]})
         lines = [json.loads(x) for x in report.read_text().splitlines()] if report.is_file() else []
-    if not lines:
-        raise VllmError(f"the engine ran but never called the aotc backend (is compilation "
-                        f"mode 2 honoured by this vLLM?); nothing was compiled for {manifest.name}")
+        if not lines:
+            raise VllmError(f"the engine ran but never called the aotc backend (is compilation "
+                            f"mode 2 honoured by this vLLM?); nothing was compiled for {manifest.name}")
+        graph_keys = list(dict.fromkeys(line["key"] for line in lines))
+        records = _keep_records(store, Path(env["VLLM_CACHE_ROOT"]), manifest.name, graph_keys)
     last = lines[-1]
     entry = store.get(last["key"], record=False)
     if remote is not None:
         from aotc.fleet.sync import push_entry
 
-        for line in lines:
-            push_entry(store, remote, line["key"])
+        for key in graph_keys + records:
+            push_entry(store, remote, key)
     meta = entry.metadata
     hit = all(x["hit"] for x in lines)
     return CompileResult(
@@ -163,4 +181,24 @@ def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
                  "backend": round(sum(x["seconds"] for x in lines), 3)},
         bytes_stored=0 if hit else entry.stored_size,
         max_abs_err=meta.get("numerics", {}).get("max_abs_err"), numerics=meta.get("numerics", {}),
-        store=str(store.root), shared=sum(int(x.get("shared", 0)) for x in lines))
+        store=str(store.root), shared=sum(int(x.get("shared", 0)) for x in lines),
+        vllm_records=records)
+
+
+def _keep_records(store: Any, cache_root: Path, name: str, graph_keys: list[str]) -> list[str]:
+    """Store vLLM's AOT records the run wrote (:mod:`aotc.vllm.aot_records`); a vLLM that wrote
+    none (its AOT cache off) leaves new replicas tracing, said in one line."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from aotc.log import logger
+    from aotc.vllm.aot_records import store_records
+
+    try:
+        vllm_version = version("vllm-cpu")
+    except PackageNotFoundError:
+        vllm_version = version("vllm")
+    keys = store_records(store, cache_root, name, graph_keys, vllm_version)
+    if not keys:
+        logger("vllm").warning("aotc: the engine saved no AOT record (VLLM_USE_AOT_COMPILE=0?): "
+                               "new replicas of %s will run Dynamo at start", name)
+    return keys

@@ -1,0 +1,124 @@
+"""vLLM's own AOT record, shipped with the aotc entry, so a new replica starts like a restart.
+
+With ``VLLM_USE_AOT_COMPILE`` (vLLM's default on torch ≥ 2.10) vLLM saves what Dynamo produced —
+guards, bytecode and our :class:`aotc.backend.compiled.AotcCompiled`, whose pickle is only a
+store key — to ``$VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>/<layout>/model``.
+``<hash>`` is vLLM's own hash of its config, environment and version (computed in every process
+from the engine's arguments), ``<layout>`` the process's place (``rank_<tp/pp rank>_<dp rank>``).
+A restart finds that file and never runs Dynamo nor calls the backend; a new node lacks it.
+
+Here that file becomes an aotc entry of its own (role :data:`RECORD_ROLE`) keyed by vLLM's hash,
+the layout and this machine's toolchain, so it is signed, pushed, pulled, verified and collected
+like any entry. :func:`store_records` keeps the files an engine run wrote; :func:`materialize`
+writes one back exactly where vLLM is about to look — only under the hash vLLM computed for
+itself on this node, so a changed model config, dtype, batch size, vLLM or torch version or
+process layout asks for another key and finds nothing. The record is written only when it and
+every graph entry it names are in the store (pulled through and trust-checked): anything else
+and vLLM traces and compiles as it would without aotc.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aotc.fleet.trust import sign_if_configured
+from aotc.records.key import compute_key
+
+__all__ = ["RECORD_ROLE", "RecordPlace", "materialize", "place_of", "record_key", "store_records"]
+
+RECORD_ROLE = "vllm-aot-record"
+_SUBDIR = ("torch_compile_cache", "torch_aot_compile")
+_FILE = "model"
+
+
+@dataclass(frozen=True)
+class RecordPlace:
+    """Where vLLM keeps one AOT record: its config hash and the process layout."""
+
+    vllm_hash: str
+    layout: str
+
+    def path(self, cache_root: Path) -> Path:
+        """The record's file under a vLLM cache root."""
+        return cache_root.joinpath(*_SUBDIR, self.vllm_hash, self.layout, _FILE)
+
+
+def place_of(path: str | os.PathLike[str]) -> RecordPlace | None:
+    """The place a record path names (``…/torch_aot_compile/<hash>/<layout>/model``); None for
+    any other path."""
+    p = Path(path)
+    if p.name != _FILE or len(p.parts) < 4 or tuple(p.parts[-5:-3]) != _SUBDIR:
+        return None
+    vllm_hash, layout = p.parts[-3], p.parts[-2]
+    if not (len(vllm_hash) == 64 and all(c in "0123456789abcdef" for c in vllm_hash)):
+        return None
+    if not layout.startswith("rank_") or "/" in layout:
+        return None
+    return RecordPlace(vllm_hash, layout)
+
+
+def record_key(place: RecordPlace, toolchain: dict[str, Any]) -> str:
+    """The store key of the record at ``place`` for a machine with that ``toolchain``."""
+    return compute_key({"vllm_aot": {"hash": place.vllm_hash, "layout": place.layout},
+                        "toolchain": toolchain})
+
+
+def find_records(cache_root: Path) -> list[tuple[RecordPlace, Path]]:
+    """Every AOT record under a vLLM cache root."""
+    base = cache_root.joinpath(*_SUBDIR)
+    found = []
+    for path in sorted(base.glob(f"*/rank_*/{_FILE}")):
+        place = place_of(path)
+        if place is not None and path.is_file():
+            found.append((place, path))
+    return found
+
+
+def store_records(store: Any, cache_root: Path, name: str, graph_keys: list[str],
+                  vllm_version: str) -> list[str]:
+    """Store every record an engine run wrote under ``cache_root`` as an entry naming the graph
+    entries it loads (their toolchain is the record's); returns the record keys."""
+    toolchain = store.get(graph_keys[-1], record=False).factors.get("toolchain", {})
+    keys = []
+    for place, path in find_records(cache_root):
+        key = record_key(place, toolchain)
+        store.put(key, name, {RECORD_ROLE: path.read_bytes()},
+                  factors={"vllm_aot": {"hash": place.vllm_hash, "layout": place.layout},
+                           "toolchain": toolchain},
+                  metadata={"kind": RECORD_ROLE, "graph_keys": list(graph_keys), "vllm": vllm_version})
+        sign_if_configured(store, key)
+        keys.append(key)
+    return keys
+
+
+def materialize(tiered: Any, path: str | os.PathLike[str], device: str) -> str:
+    """Write the stored record for the vLLM record ``path`` (which does not exist) there, after
+    making sure every graph entry it loads is in the local store. Returns what happened in a few
+    words (``written``, or why not); raises nothing an ``AotcError`` would not explain — the
+    caller turns any failure into vLLM's own trace-and-compile."""
+    from aotc.cache import CacheMiss
+    from aotc.lookup.toolchain import machine_factors
+
+    place = place_of(path)
+    if place is None:
+        return "not a vLLM AOT record path"
+    toolchain = machine_factors(device, tiered.local.base / "toolchain")["toolchain"]
+    key = record_key(place, toolchain)
+    try:
+        entry = tiered.get(key)
+    except CacheMiss:
+        return f"no record for vLLM hash {place.vllm_hash[:12]}… {place.layout} on this machine"
+    if entry.metadata.get("kind") != RECORD_ROLE or RECORD_ROLE not in entry.blobs:
+        return f"entry {key[:16]}… is not a vLLM AOT record"
+    for graph_key in entry.metadata.get("graph_keys", []):
+        tiered.get(str(graph_key))  # pulled through, verified, trust-checked before vLLM unpickles
+    data = tiered.local.read_blob(entry, RECORD_ROLE)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.aotc-{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+    return "written"

