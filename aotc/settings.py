@@ -11,6 +11,8 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_TRUST_KEYS`` | ``trust_keys`` | trusted public keys (hex, or files holding one; comma or space separated): a policy for every load, import and pull |
 | ``AOTC_ALLOW_UNSIGNED`` | ``allow_unsigned`` | ``1``: entries that cross a machine boundary (pull, pull-through, bundle import) may be unsigned (the explicit opt-out of :mod:`aotc.fleet.trust`) |
 | ``AOTC_SIGNING_KEY`` | ``signing_key`` | a private key file (``aotc keygen``): compiles, the backend and ``push`` sign what they store and push |
+| ``AOTC_LEASE_TTL`` | ``lease_ttl`` | seconds a compile lease in the remote lives without a heartbeat (default 60): a dead holder's lease is taken over after that (:mod:`aotc.fleet.lease`) |
+| ``AOTC_LEASE_WAIT`` | ``lease_wait`` | the most seconds a process waits for another's compile lease before compiling itself (default 1800) |
 | ``AOTC_LOADER`` | ``loader`` | ``inductor``: load every piece through ``CompiledArtifact.load`` instead of the fast path |
 | ``AOTC_PROGRESS`` | ``progress`` | ``1``: the same as ``AOTC_LOG=info`` (kept for scripts that set it) |
 | ``AOTC_LOG`` | ``log`` | ``debug``, ``info``, ``warning`` or ``error``: aotc's log lines at that level on stderr (:mod:`aotc.log`); unset: logging as the process configured it (warnings still reach stderr when nothing is configured) |
@@ -35,7 +37,7 @@ ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_E
        "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES",
        "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG",
        "vllm_records": "AOTC_VLLM_RECORDS", "allow_unsigned": "AOTC_ALLOW_UNSIGNED",
-       "signing_key": "AOTC_SIGNING_KEY"}
+       "signing_key": "AOTC_SIGNING_KEY", "lease_ttl": "AOTC_LEASE_TTL", "lease_wait": "AOTC_LEASE_WAIT"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -62,6 +64,8 @@ class Settings:
     vllm_records: bool = True  # the vLLM plugin brings shipped AOT records in
     allow_unsigned: bool = False  # unsigned entries may cross a machine boundary
     signing_key: str | None = None  # a private key file: sign what is stored and pushed
+    lease_ttl: float = 60.0  # seconds a compile lease lives without a heartbeat
+    lease_wait: float = 1800.0  # the most seconds a process waits for another's lease
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -88,6 +92,8 @@ class Settings:
             vllm_records=(text["vllm_records"] or "1").lower() not in ("0", "false", "no"),
             allow_unsigned=(text["allow_unsigned"] or "0").lower() not in ("0", "false", "no"),
             signing_key=text["signing_key"],
+            lease_ttl=_seconds(text["lease_ttl"], "lease_ttl", 60.0),
+            lease_wait=_seconds(text["lease_wait"], "lease_wait", 1800.0),
         )
 
     @property
@@ -101,6 +107,21 @@ class Settings:
         if self.store and not self.store_is_remote:
             return Path(self.store).expanduser()
         return (self.cache_home or Path.home() / ".cache") / "aotc"
+
+
+def _seconds(text: str | None, field: str, default: float) -> float:
+    """A positive number of seconds from a variable (``default`` when unset)."""
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from aotc.errors import SettingsError
+
+        raise SettingsError(f"{ENV[field]}={text!r}: expected a positive number of seconds")
+    return value
 
 
 def current() -> Settings:

@@ -51,8 +51,10 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
         return
     m = load_manifest(manifest)  # a bad manifest fails before the store is touched
     store = _store_for(ctx, m, create=True)
+    # a miss is pulled from the remote, else compiled once across the fleet under its lease
+    result = compile_manifest(m, store=store, force=force, progress=Progress(sys.stderr, quiet=quiet),
+                              jobs=jobs, remote=app.remote())
     remote = app.remote() if app.store_is_remote else None  # `--store s3://…`: publish there
-    result = compile_manifest(m, store=store, force=force, progress=Progress(sys.stderr, quiet=quiet), jobs=jobs)
     pushed = None
     if remote is not None:
         from aotc.fleet.sync import push_entry

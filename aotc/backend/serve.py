@@ -110,17 +110,14 @@ class AotcBackend:
                settings: Any, seen: dict[str, str]) -> Any:
         import torch
 
-        from aotc._torch import dynamo
-        from aotc.backend.compiled import AotcCompiled, load_graph_program
-        from aotc.cache import CacheMiss, StoreReadOnlyError
+        from aotc.cache import CacheMiss
         from aotc.errors import RemoteError, TrustError
-        from aotc.fleet.tiered import TieredStore, open_tiered
+        from aotc.fleet.tiered import open_tiered
         from aotc.fleet.trust import trust_policy
-        from aotc.progress import Progress
 
         t0 = time.perf_counter()
         tiered = open_tiered(cfg.store, cfg.remote, trust_policy(cfg.trust, settings), settings, create=True)
-        store, remote, trusted = tiered.local, tiered.remote, tiered.trusted
+        store, remote = tiered.local, tiered.remote
         if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs):
             warnings.warn("aotc compiles for inference: the compiled model runs under no_grad and "
                           "its outputs carry no autograd graph", stacklevel=2)
@@ -129,24 +126,59 @@ class AotcBackend:
                       "captured for torch.compile graphs yet; this graph runs without them")
         key, factors = backend_key(gm, example_inputs, cfg, store)
         seen["key"] = key
-        hit = store.has(key)
-        if hit or remote is not None:
+        if store.has(key):
+            return self._load(key, tiered, cfg, settings, t0)
+
+        def fetch() -> Any:  # the remote's entry, pulled through; None when it has none
             try:
-                with dynamo.outside_trace():
-                    runner = load_graph_program(key, tiered)
-                self._done(settings, {"key": key, "hit": True, "pulled": not hit,
-                                      "pulled_bytes": runner.timings.pulled_bytes,
-                                      "seconds": round(time.perf_counter() - t0, 3),
-                                      "store": str(store.root)})
-                return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+                return self._load(key, tiered, cfg, settings, t0)
             except CacheMiss:
-                if hit:
-                    raise
-            except (RemoteError, TrustError) as e:  # unreachable, damaged or refused: compile here
-                if hit:
-                    raise
-                _log.warning(f"aotc: warning: could not pull {key[:16]}… from {remote.url}: {e}; "
-                             "compiling it here")
+                return None
+            except (RemoteError, TrustError) as e:  # unreachable, damaged or refused
+                raise _NotPulled(e) from e
+
+        def build_here() -> Any:
+            return self._build(gm, example_inputs, key, factors, tiered, cfg, settings, t0)
+
+        if remote is None:
+            return build_here()
+        tiered.lease_wait = 0.0  # the lease is handled here: a pull must not wait for our own
+        try:  # one process of the fleet compiles a missing graph; the others wait and pull it
+            from aotc.fleet.lease import single_flight
+
+            return single_flight(remote, key, f"graph {key[:16]}…", fetch, build_here,
+                                 settings.lease_ttl, settings.lease_wait)
+        except _NotPulled as e:  # the remote's entry is unreachable, damaged or refused: compile here
+            _log.warning(f"aotc: warning: could not pull {key[:16]}… from {remote.url}: {e.args[0]}; "
+                         "compiling it here")
+        return build_here()
+
+    def _load(self, key: str, tiered: Any, cfg: BackendConfig, settings: Any, t0: float) -> Any:
+        """The stored graph ``key`` (pulled through on a local miss), as Dynamo's callable."""
+        from aotc._torch import dynamo
+        from aotc.backend.compiled import AotcCompiled, load_graph_program
+
+        hit = tiered.local.has(key)
+        with dynamo.outside_trace():
+            runner = load_graph_program(key, tiered)
+        self._done(settings, {"key": key, "hit": True, "pulled": not hit,
+                              "pulled_bytes": runner.timings.pulled_bytes,
+                              "seconds": round(time.perf_counter() - t0, 3),
+                              "store": str(tiered.local.root)})
+        return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+
+    def _build(self, gm: Any, example_inputs: Sequence[Any], key: str, factors: dict[str, Any],
+               tiered: Any, cfg: BackendConfig, settings: Any, t0: float) -> Any:
+        """Compile the graph here, store (and push) it, and load what was stored."""
+        from aotc._torch import dynamo
+        from aotc.backend.build import build_entry, float_dtype
+        from aotc.backend.compiled import AotcCompiled, load_graph_program
+        from aotc.cache import StoreReadOnlyError
+        from aotc.errors import TrustError
+        from aotc.fleet.tiered import TieredStore
+        from aotc.progress import Progress
+
+        store, remote, trusted = tiered.local, tiered.remote, tiered.trusted
         if trusted and not _signs_trusted(settings, trusted):  # the policy would refuse our build
             raise TrustError(f"graph {key[:16]}… is in neither the store nor the remote, and a trust "
                              "policy is set (AOTC_TRUST_KEYS / trust=): set AOTC_SIGNING_KEY to a "
@@ -155,8 +187,6 @@ class AotcBackend:
         if store.read_only:
             raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
         progress = Progress()  # phase lines on the aotc.progress logger
-        from aotc.backend.build import build_entry, float_dtype
-
         atol, rtol = cfg.tolerance_for(float_dtype(example_inputs))
         with dynamo.outside_trace():
             meta = build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
@@ -190,6 +220,10 @@ class AotcBackend:
 
         with open(settings.report, "a") as f:  # one short line per write: atomic append
             f.write(json.dumps({**what, "pid": os.getpid()}, sort_keys=True) + "\n")
+
+
+class _NotPulled(Exception):
+    """The remote has the graph but it could not be pulled (the cause is ``args[0]``)."""
 
 
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:

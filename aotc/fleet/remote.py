@@ -185,10 +185,11 @@ class S3Remote:
             raise MissingObject(f"{self.url}: {name} is missing")
         return resp["Body"], int(resp.get("ContentLength", 0))
 
-    def put(self, name: str, body: bytes | BinaryIO, if_absent: bool = False) -> bool:
+    def put(self, name: str, body: bytes | BinaryIO, if_absent: bool = False,
+            strict: bool = False) -> bool | None:
         """Create or replace object ``name``. With ``if_absent`` only create it (a conditional
         PUT): False when it already exists. A server without conditional writes falls back to
-        HEAD then PUT."""
+        HEAD then PUT — or, with ``strict``, returns None (nothing written)."""
         kwargs: dict[str, Any] = {"Key": self.root + name, "Body": body}
         if if_absent:
             for attempt in range(5):
@@ -206,6 +207,8 @@ class S3Remote:
                         continue
                     if code not in ("NotImplemented", "501"):
                         raise self._fail(e, f"PUT {name}") from None
+                    if strict:
+                        return None
                 except self._botocore.exceptions.BotoCoreError as e:
                     raise self._fail(e, f"PUT {name}") from None
                 break

@@ -31,6 +31,7 @@ class TieredStore:
     pulled_bytes: int = 0  # bytes the remote tier moved for this object's pulls
     pull_seconds: float = 0.0
     progress: Progress = field(default_factory=Progress)
+    lease_wait: float = 0.0  # a miss being compiled elsewhere (a live lease): wait that long for it
 
     def has(self, key: str) -> bool:
         """Whether the local tier holds ``key`` (the remote is not asked)."""
@@ -48,7 +49,23 @@ class TieredStore:
             from aotc.fleet.sync import pull_entry
 
             t = time.perf_counter()
-            pulled = pull_entry(self.remote, self.local, key, self.trusted, self.progress)
+            try:
+                pulled = pull_entry(self.remote, self.local, key, self.trusted, self.progress)
+            except CacheMiss:
+                if self.lease_wait <= 0:
+                    raise
+                from aotc.fleet.lease import wait_for_holder
+
+                def pull() -> Any:
+                    try:
+                        return pull_entry(self.remote, self.local, key, self.trusted, self.progress)
+                    except CacheMiss:
+                        return None
+
+                waited = wait_for_holder(self.remote, key, f"{key[:16]}…", pull, self.lease_wait)
+                if waited is None:
+                    raise
+                pulled = waited
             self._pulled(pulled.bytes_moved, time.perf_counter() - t)
         return self.local.get(key)
 
@@ -63,7 +80,16 @@ class TieredStore:
         from aotc.fleet.sync import pull_for_manifest
 
         t = time.perf_counter()
-        pulled = pull_for_manifest(manifest, self.remote, self.local, machine, self.trusted, self.progress)
+
+        def pull() -> Any:
+            return pull_for_manifest(manifest, self.remote, self.local, machine, self.trusted,
+                                     self.progress)
+
+        pulled = pull()
+        if pulled is None and self.lease_wait > 0:  # being compiled elsewhere right now? wait for it
+            from aotc.fleet.lease import wait_for_holder
+
+            pulled = wait_for_holder(self.remote, found.probe, manifest.name, pull, self.lease_wait)
         if pulled is None:
             return found
         self._pulled(pulled.bytes_moved, time.perf_counter() - t)
@@ -85,7 +111,8 @@ def open_tiered(store: Any = None, remote: Any = None, trusted: frozenset[str] =
     manifest's ``store`` field) and ``remote`` (a URL or a remote; default ``AOTC_REMOTE``).
     The local store is created when missing if ``create`` or a remote tier is set."""
     from aotc.lookup.stores import open_store, split_store
+    from aotc.settings import current
 
     local, rem = split_store(store, remote, settings)
     return TieredStore(open_store(local, manifest, create=create or rem is not None, settings=settings),
-                       rem, trusted)
+                       rem, trusted, lease_wait=(settings or current()).lease_wait)
