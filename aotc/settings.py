@@ -13,6 +13,7 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_SIGNING_KEY`` | ``signing_key`` | a private key file (``aotc keygen``): compiles, the backend and ``push`` sign what they store and push |
 | ``AOTC_LEASE_TTL`` | ``lease_ttl`` | seconds a compile lease in the remote lives without a heartbeat (default 60): a dead holder's lease is taken over after that (:mod:`aotc.fleet.lease`) |
 | ``AOTC_LEASE_WAIT`` | ``lease_wait`` | the most seconds a process waits for another's compile lease before compiling itself (default 1800) |
+| ``AOTC_OCI_INSECURE`` | ``oci_insecure`` | ``1``: talk plain HTTP to an ``oci://`` registry (loopback addresses always do) |
 | ``AOTC_LOADER`` | ``loader`` | ``inductor``: load every piece through ``CompiledArtifact.load`` instead of the fast path |
 | ``AOTC_PROGRESS`` | ``progress`` | ``1``: the same as ``AOTC_LOG=info`` (kept for scripts that set it) |
 | ``AOTC_LOG`` | ``log`` | ``debug``, ``info``, ``warning`` or ``error``: aotc's log lines at that level on stderr (:mod:`aotc.log`); unset: logging as the process configured it (warnings still reach stderr when nothing is configured) |
@@ -37,12 +38,14 @@ ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_E
        "splitting_ops": "AOTC_SPLITTING_OPS", "compile_sizes": "AOTC_COMPILE_SIZES",
        "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG",
        "vllm_records": "AOTC_VLLM_RECORDS", "allow_unsigned": "AOTC_ALLOW_UNSIGNED",
-       "signing_key": "AOTC_SIGNING_KEY", "lease_ttl": "AOTC_LEASE_TTL", "lease_wait": "AOTC_LEASE_WAIT"}
+       "signing_key": "AOTC_SIGNING_KEY", "lease_ttl": "AOTC_LEASE_TTL", "lease_wait": "AOTC_LEASE_WAIT",
+       "oci_insecure": "AOTC_OCI_INSECURE"}
 
 
 def is_remote_url(value: object) -> bool:
-    """Whether ``value`` names a remote store (``s3://…``) rather than a directory."""
-    return isinstance(value, str) and value.startswith("s3://")
+    """Whether ``value`` names a remote store (``s3://…`` or an OCI registry ``oci://…``)
+    rather than a directory."""
+    return isinstance(value, str) and value.startswith(("s3://", "oci://"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Settings:
     signing_key: str | None = None  # a private key file: sign what is stored and pushed
     lease_ttl: float = 60.0  # seconds a compile lease lives without a heartbeat
     lease_wait: float = 1800.0  # the most seconds a process waits for another's lease
+    oci_insecure: bool = False  # plain HTTP to an oci:// registry
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -94,6 +98,7 @@ class Settings:
             signing_key=text["signing_key"],
             lease_ttl=_seconds(text["lease_ttl"], "lease_ttl", 60.0),
             lease_wait=_seconds(text["lease_wait"], "lease_wait", 1800.0),
+            oci_insecure=(text["oci_insecure"] or "0").lower() not in ("0", "false", "no"),
         )
 
     @property

@@ -54,17 +54,17 @@ class AppContext:
     def remote(self, url: str | None = None, required: str = "") -> Any:
         """The remote store (``url`` overrides the configured one); with ``required`` (the
         command's name) a missing remote is an error naming the fix, else None."""
-        from aotc.fleet.remote import RemoteError, S3Remote
+        from aotc.fleet.remote import RemoteError, make_remote
 
         if url:
-            return S3Remote(url, self.endpoint_url)
+            return make_remote(url, self.endpoint_url)
         if self.remote_url is None:
             if required:
                 raise RemoteError(f"`aotc {required}` needs a remote store: pass --store "
                                   "s3://bucket/prefix, --remote URL or set AOTC_REMOTE")
             return None
         if self._remote is None:
-            self._remote = S3Remote(self.remote_url, self.endpoint_url)
+            self._remote = make_remote(self.remote_url, self.endpoint_url)
         return self._remote
 
     def local_only(self, command: str) -> None:

@@ -146,6 +146,28 @@ def hf_manifest(tmp: Path, dtype: str = "float32", name: str = "tiny-hf-llama", 
 
 
 @pytest.fixture(scope="session")
+def oci(tmp_path_factory):
+    """A real OCI registry (Debian's docker-registry 2.8) on 127.0.0.1 for this session; yields
+    a function making a fresh repository URL (``oci://host:port/aotc/rN``), with ``.blobs``: the
+    registry's blob storage directory (to play a hostile registry). Skips without the binary."""
+    import itertools
+
+    from tests.helpers.oci_registry import available, oci_registry
+
+    if not available():
+        pytest.skip("docker-registry is not installed (`apt-get install docker-registry`; .ci/run does)")
+    with oci_registry(tmp_path_factory.mktemp("oci")) as (host, blobs):
+        counter = itertools.count()
+
+        def new_repo() -> str:
+            return f"oci://{host}/aotc/r{next(counter)}"
+
+        new_repo.blobs = blobs  # type: ignore[attr-defined]
+        new_repo.host = host  # type: ignore[attr-defined]
+        yield new_repo
+
+
+@pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """A real S3-compatible server (moto's standalone server) on 127.0.0.1 for this session,
     with the environment pointing boto3 at it; yields a function making a fresh empty bucket."""

@@ -171,7 +171,8 @@ def test_aotc_variables_are_read_only_in_settings() -> None:
                                  "AOTC_TRUST_KEYS", "AOTC_LOADER", "AOTC_PROGRESS",
                                  "AOTC_SPLITTING_OPS", "AOTC_COMPILE_SIZES", "AOTC_REPORT", "AOTC_FALLBACK",
                                  "AOTC_LOG", "AOTC_VLLM_RECORDS", "AOTC_ALLOW_UNSIGNED",
-                                 "AOTC_SIGNING_KEY", "AOTC_LEASE_TTL", "AOTC_LEASE_WAIT"}
+                                 "AOTC_SIGNING_KEY", "AOTC_LEASE_TTL", "AOTC_LEASE_WAIT",
+                                 "AOTC_OCI_INSECURE"}
 
 
 @pytest.mark.slow

@@ -53,8 +53,8 @@ class S3Remote:
     """The remote store at ``url`` (``s3://bucket[/prefix]``)."""
 
     def __init__(self, url: str, endpoint_url: str | None = None) -> None:
-        if not is_remote_url(url):
-            raise RemoteError(f"{url!r} is not a remote store URL: expected s3://bucket[/prefix]")
+        if not (isinstance(url, str) and url.startswith("s3://")):
+            raise RemoteError(f"{url!r} is not an S3 remote URL: expected s3://bucket[/prefix]")
         bucket, _, prefix = url[len("s3://"):].partition("/")
         if not bucket or any(c in bucket for c in " \\?#"):
             raise RemoteError(f"{url!r}: no valid bucket name; expected s3://bucket[/prefix]")
@@ -249,9 +249,22 @@ class S3Remote:
             raise self._fail(e, f"LIST {prefix}") from None
 
 
+def make_remote(url: str, endpoint_url: str | None = None) -> Any:
+    """The remote a URL names: ``s3://bucket[/prefix]`` (an :class:`S3Remote`) or
+    ``oci://host[:port]/repo`` (an :class:`aotc.fleet.oci.OciRemote`)."""
+    if isinstance(url, str) and url.startswith("oci://"):
+        from aotc.fleet.oci import OciRemote
+
+        return OciRemote(url)
+    if not is_remote_url(url):
+        raise RemoteError(f"{url!r} is not a remote store URL: expected s3://bucket[/prefix] or "
+                          "oci://host[:port]/repo")
+    return S3Remote(url, endpoint_url)
+
+
 def open_remote(url: str | None = None, endpoint_url: str | None = None,
-                settings: Settings | None = None) -> S3Remote | None:
+                settings: Settings | None = None) -> Any:
     """The remote ``url`` names, else the settings' (``AOTC_REMOTE``), else None."""
     settings = settings or current()
     url = url or settings.remote
-    return S3Remote(url, endpoint_url or settings.s3_endpoint) if url else None
+    return make_remote(url, endpoint_url or settings.s3_endpoint) if url else None

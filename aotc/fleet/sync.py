@@ -119,6 +119,8 @@ def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
         held, force = None, True  # replaced below, every blob uploaded again
     if held is not None:
         return _kept(store, remote, entry, held, len(digests))
+    if hasattr(remote, "learn_local"):  # a registry addresses blobs by their stored bytes' hash
+        remote.learn_local({d: store.blob_path(d) for d in digests})
     # Each blob's size as the remote holds it goes into the record: a pull refuses more bytes.
     remote_sizes = dict(zip(digests, _parallel(
         lambda d: None if force else remote.head(remote.blob_name(d)), digests)))

@@ -1,0 +1,436 @@
+"""An OCI registry as a remote store: ``oci://HOST[:PORT]/REPO`` wherever ``s3://`` is accepted.
+
+Each entry is one OCI artifact in the repository (image manifest, ``artifactType``
+:data:`ARTIFACT_TYPE`): its config blob is the entry record (``aotc.records.entry_record``,
+the same bytes an S3 remote keeps as ``entries/<key>.json``), each aotc blob one layer — the
+zstd bytes the store keeps, so the registry addresses it by the sha256 of those bytes and
+dedups it across entries and models — annotated with the aotc digest (the sha256 of the
+uncompressed bytes) it holds. Tags: the entry key, ``probe-<lookup key>`` (what a manifest
+compiles to on a machine: the newest entry) and ``name-<manifest name>`` (the newest entry of
+that name). Signatures travel as manifest annotations (``org.aotc.signature.<public key>``)
+and are enforced on pull like any remote's (:mod:`aotc.fleet.trust`).
+
+The registry client is the kept ``oras`` library (``pip install 'aotc[oci]'``), imported only
+when an ``oci://`` remote is used. :class:`OciRemote` offers the object namespace the transfer
+code (:mod:`aotc.fleet.sync`, :mod:`aotc.fleet.remote_scan`) works with — ``blobs/<digest>``,
+``entries/<key>.json``, ``probes/<probe>/<key>``, ``signatures/<key>/<public key>`` — mapped
+onto manifests, layers and tags, so push, pull, pull-through, ``inspect``/``verify`` and the
+trust policy are the same code for both kinds of remote. Everything read from the registry is
+checked before use: a manifest of another type or too large, a config or layer whose bytes do
+not hash to their digest, a layer the record does not name, a record naming a blob no layer
+holds — each is a ``RemoteError`` naming it, and nothing is half-written locally (a pull stages
+and verifies every blob before the store's index row is written).
+
+Plain HTTP is used for a registry on a loopback address (a test or a node-local mirror) and
+with ``AOTC_OCI_INSECURE=1``; HTTPS otherwise. Credentials come from the docker config oras reads.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import io
+import json
+import re
+from collections.abc import Iterator
+from typing import Any, BinaryIO, cast
+
+from aotc.cache import blobio
+from aotc.errors import DamagedRemoteEntry, MissingObject, OversizedObject, RemoteError
+
+__all__ = ["ARTIFACT_TYPE", "OciRemote", "is_oci_url"]
+
+ARTIFACT_TYPE = "application/vnd.aotc.entry.v1"
+CONFIG_TYPE = "application/vnd.aotc.entry.record.v1+json"
+LAYER_TYPE = "application/vnd.aotc.blob.v1+zstd"
+MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
+DIGEST_NOTE = "org.aotc.digest"
+SIGNATURE_NOTE = "org.aotc.signature."
+KEY_NOTE = "org.aotc.key"
+MAX_MANIFEST = 4 << 20
+MAX_RECORD = 16 << 20
+_REPO = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
+_OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_HOST = re.compile(r"^[A-Za-z0-9.-]+(?::[0-9]{1,5})?$")
+
+
+def is_oci_url(value: object) -> bool:
+    """Whether ``value`` names an OCI registry remote (``oci://…``)."""
+    return isinstance(value, str) and value.startswith("oci://")
+
+
+def _oras() -> Any:
+    try:
+        import oras.provider
+    except ImportError:  # pragma: no cover - an optional dependency; the message names the fix
+        raise RemoteError("an oci:// remote needs oras: pip install 'aotc[oci]' (or oras)") from None
+    return oras.provider
+
+
+def _sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class OciRemote:
+    """The registry repository at ``url`` (``oci://host[:port]/repo``), as an object store."""
+
+    def __init__(self, url: str, insecure: bool | None = None) -> None:
+        if not is_oci_url(url):
+            raise RemoteError(f"{url!r} is not an OCI remote URL: expected oci://host[:port]/repo")
+        host, _, repo = url[len("oci://"):].strip("/").partition("/")
+        if not _HOST.match(host) or not repo or not _REPO.match(repo):
+            raise RemoteError(f"{url!r}: expected oci://host[:port]/repo (repo: lowercase "
+                              "letters, digits, . _ - and /)")
+        self.url, self.host, self.repo = f"oci://{host}/{repo}", host, repo
+        if insecure is None:
+            from aotc.settings import current
+
+            name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+            insecure = current().oci_insecure or name in ("localhost", "127.0.0.1", "::1")
+        self.insecure = insecure
+        self._registry: Any = None
+        self._layers: dict[str, tuple[str, int]] = {}  # aotc digest -> (layer digest, size)
+        self.root = ""
+
+    def __repr__(self) -> str:
+        return f"OciRemote({self.url!r})"
+
+    # -- names (the object namespace of aotc.fleet.remote.S3Remote) -------------------------
+    @staticmethod
+    def blob_name(digest: str) -> str:
+        return f"blobs/{digest}"
+
+    @staticmethod
+    def entry_name(key: str) -> str:
+        return f"entries/{key}.json"
+
+    @staticmethod
+    def probe_name(probe: str, key: str) -> str:
+        return f"probes/{probe}/{key}"
+
+    @staticmethod
+    def signature_name(key: str, public_key: str) -> str:
+        return f"signatures/{key}/{public_key}"
+
+    # -- the registry -----------------------------------------------------------------------
+    @property
+    def registry(self) -> Any:
+        """The oras registry client, made on first use."""
+        if self._registry is None:
+            self._registry = _oras().Registry(hostname=self.host, insecure=self.insecure)
+        return self._registry
+
+    @property
+    def errors(self) -> tuple[type[Exception], ...]:
+        import requests
+
+        return (requests.RequestException, ValueError, OSError)
+
+    def _target(self, ref: str) -> str:
+        sep = "@" if ref.startswith("sha256:") else ":"
+        return f"{self.host}/{self.repo}{sep}{ref}"
+
+    def _request(self, what: str, method: str, path: str, **kw: Any) -> Any:
+        prefix = "http" if self.insecure else "https"
+        url = f"{prefix}://{self.host}/v2/{self.repo}/{path}"
+        try:
+            return self.registry.session.request(method, url, timeout=120, **kw)
+        except Exception as e:  # noqa: BLE001 - requests' many errors: one line naming the registry
+            raise RemoteError(f"{self.url}: {what} failed: cannot reach the registry ({e})") from None
+
+    def _manifest(self, ref: str) -> tuple[dict[str, Any], str] | None:
+        """The aotc manifest tagged ``ref`` and its digest; None when the tag does not exist."""
+        r = self._request(f"GET manifest {ref}", "GET", f"manifests/{ref}",
+                          headers={"Accept": MANIFEST_TYPE}, stream=True)
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise RemoteError(f"{self.url}: GET manifest {ref} failed: HTTP {r.status_code}")
+        raw = r.raw.read(MAX_MANIFEST + 1, decode_content=True)
+        if len(raw) > MAX_MANIFEST:
+            raise OversizedObject(f"{self.url}: manifest {ref} is larger than {MAX_MANIFEST} bytes")
+        try:
+            m = json.loads(raw)
+            ok = (isinstance(m, dict) and m.get("artifactType") == ARTIFACT_TYPE
+                  and m["config"]["mediaType"] == CONFIG_TYPE and isinstance(m["layers"], list))
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise DamagedRemoteEntry(f"{self.url}: tag {ref} is not an aotc entry (artifactType "
+                                     f"{ARTIFACT_TYPE} expected)")
+        return m, _sha(raw)
+
+    def _put_manifest(self, manifest: dict[str, Any], ref: str) -> None:
+        body = json.dumps(manifest, sort_keys=True).encode()
+        r = self._request(f"PUT manifest {ref}", "PUT", f"manifests/{ref}", data=body,
+                          headers={"Content-Type": MANIFEST_TYPE})
+        if r.status_code not in (200, 201):
+            raise RemoteError(f"{self.url}: PUT manifest {ref} failed: HTTP {r.status_code} {r.text[:200]}")
+
+    def _blob_bytes(self, digest: str, limit: int) -> bytes:
+        r = self._request(f"GET blob {digest[:19]}", "GET", f"blobs/{digest}", stream=True)
+        if r.status_code != 200:
+            raise MissingObject(f"{self.url}: blob {digest[:19]}… is missing (HTTP {r.status_code})")
+        data = r.raw.read(limit + 1, decode_content=True)
+        if len(data) > limit:
+            raise OversizedObject(f"{self.url}: blob {digest[:19]}… is larger than {limit} bytes")
+        if _sha(data) != digest:
+            raise DamagedRemoteEntry(f"{self.url}: blob {digest[:19]}…: its bytes do not hash to "
+                                     "its digest; refused")
+        return data
+
+    def _upload_bytes(self, data: bytes, media_type: str) -> dict[str, Any]:
+        digest = _sha(data)
+        if self._request("HEAD blob", "HEAD", f"blobs/{digest}").status_code != 200:
+            start = self._request("POST blob", "POST", "blobs/uploads/")
+            where = start.headers.get("Location", "")
+            if start.status_code != 202 or not where:
+                raise RemoteError(f"{self.url}: blob upload refused: HTTP {start.status_code}")
+            if where.startswith("/"):
+                where = f"{'http' if self.insecure else 'https'}://{self.host}{where}"
+            sep = "&" if "?" in where else "?"
+            try:
+                done = self.registry.session.put(f"{where}{sep}digest={digest}", data=data, timeout=600,
+                                                 headers={"Content-Type": "application/octet-stream"})
+            except Exception as e:  # noqa: BLE001 - one line naming the registry
+                raise RemoteError(f"{self.url}: blob upload failed ({e})") from None
+            if done.status_code != 201:
+                raise RemoteError(f"{self.url}: blob upload failed: HTTP {done.status_code}")
+        return {"mediaType": media_type, "digest": digest, "size": len(data)}
+
+    def _entry_manifest(self, key: str) -> dict[str, Any]:
+        found = self._manifest(key)
+        if found is None:
+            raise MissingObject(f"{self.url}: no entry {key[:16]}…")
+        return found[0]
+
+    # -- the object namespace ---------------------------------------------------------------
+    def head(self, name: str) -> int | None:
+        """The size of object ``name``, or None when there is none (a blob is known only after
+        its entry's manifest was read or it was uploaded here)."""
+        kind, rest = _split(name)
+        if kind == "blobs":
+            layer = self._layers.get(rest)
+            if layer is None:
+                return None
+            r = self._request("HEAD blob", "HEAD", f"blobs/{layer[0]}")
+            return layer[1] if r.status_code == 200 else None
+        if kind == "probes":
+            probe, _, key = rest.partition("/")
+            found = self._manifest(f"probe-{probe}")
+            return 0 if found is not None and found[0].get("annotations", {}).get(KEY_NOTE) == key else None
+        raw = self.get_bytes(name)
+        return None if raw is None else len(raw)
+
+    def get_bytes(self, name: str, limit: int = MAX_RECORD) -> bytes | None:
+        """The bytes of a record or signature object, or None when there is none."""
+        kind, rest = _split(name)
+        if kind == "entries" and rest.endswith(".json"):
+            found = self._manifest(rest[: -len(".json")])
+            if found is None:
+                return None
+            m = found[0]
+            if not _OCI_DIGEST.match(str(m["config"].get("digest"))):
+                raise DamagedRemoteEntry(f"{self.url}: entry {rest[:16]}…: bad config digest; refused")
+            record = self._blob_bytes(str(m["config"]["digest"]), min(limit, MAX_RECORD))
+            for layer in m["layers"]:
+                digest = str((layer.get("annotations") or {}).get(DIGEST_NOTE))
+                if (layer.get("mediaType") != LAYER_TYPE or not blobio.is_digest(digest)
+                        or not _OCI_DIGEST.match(str(layer.get("digest")))
+                        or not isinstance(layer.get("size"), int)):
+                    raise DamagedRemoteEntry(f"{self.url}: entry {rest[:16]}… has a layer that is "
+                                             "not an aotc blob; refused")
+                self._layers[digest] = (str(layer["digest"]), int(layer["size"]))
+            return record
+        if kind == "signatures":
+            key, _, public = rest.partition("/")
+            found = self._manifest(key)
+            if found is None:
+                return None
+            sig = found[0].get("annotations", {}).get(SIGNATURE_NOTE + public)
+            return None if sig is None else str(sig).encode()[:limit]
+        return None
+
+    def open(self, name: str) -> tuple[BinaryIO, int]:
+        """A stream of blob ``name`` (its layer's bytes, checked against the layer digest as it
+        is read) and its size."""
+        kind, digest = _split(name)
+        layer = self._layers.get(digest) if kind == "blobs" else None
+        if layer is None:
+            raise MissingObject(f"{self.url}: {name} is named by no layer of the entry's manifest")
+        r = self._request(f"GET blob {digest[:16]}", "GET", f"blobs/{layer[0]}", stream=True)
+        if r.status_code != 200:
+            raise MissingObject(f"{self.url}: the layer of blob {digest[:16]}… is missing "
+                                f"(HTTP {r.status_code})")
+        return cast(BinaryIO, _Checked(r.raw, layer[0], layer[1], self.url)), layer[1]
+
+    def put(self, name: str, body: bytes | BinaryIO, if_absent: bool = False,
+            strict: bool = False) -> bool | None:
+        """Create object ``name`` (a record, a probe marker or a signature). A registry has no
+        conditional create: with ``strict`` that is None (no compile leases here)."""
+        if strict:
+            return None
+        data = body if isinstance(body, bytes) else body.read()
+        kind, rest = _split(name)
+        if kind == "entries":
+            key = rest[: -len(".json")]
+            if if_absent and self._manifest(key) is not None:
+                return False
+            self._put_entry(key, data)
+            return True
+        if kind == "probes":
+            probe, _, key = rest.partition("/")
+            m = self._entry_manifest(key)
+            self._put_manifest(m, f"probe-{probe}")
+            return True
+        if kind == "signatures":
+            key, _, public = rest.partition("/")
+            m = self._entry_manifest(key)
+            m.setdefault("annotations", {})[SIGNATURE_NOTE + public] = data.decode()
+            self._retag(key, m)
+            return True
+        raise RemoteError(f"{self.url}: cannot store {name!r} in a registry")
+
+    def _put_entry(self, key: str, record: bytes) -> None:
+        rec = json.loads(record)
+        layers: builtins.list[dict[str, Any]] = []
+        seen: set[str] = set()
+        for b in rec["blobs"].values():
+            d = b["digest"]
+            if d in seen:
+                continue
+            seen.add(d)
+            if d not in self._layers:
+                raise RemoteError(f"{self.url}: blob {d[:16]}… of {key[:16]}… was not uploaded")
+            oci_digest, size = self._layers[d]
+            layers.append({"mediaType": LAYER_TYPE, "digest": oci_digest, "size": size,
+                           "annotations": {DIGEST_NOTE: d}})
+        config = self._upload_bytes(record, CONFIG_TYPE)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", str(rec.get("name", "entry")))[:100] or "entry"
+        manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "artifactType": ARTIFACT_TYPE,
+                    "config": config, "layers": layers,
+                    "annotations": {KEY_NOTE: key, "org.opencontainers.image.title": name}}
+        self._put_manifest(manifest, key)
+        self._put_manifest(manifest, f"name-{name}")
+
+    def _retag(self, key: str, manifest: dict[str, Any]) -> None:
+        """Re-point the key's tags (and its probe's, when that names this key) at ``manifest``."""
+        probe = self._probe_of(key)
+        self._put_manifest(manifest, key)
+        if probe is not None:
+            found = self._manifest(f"probe-{probe}")
+            if found is not None and found[0].get("annotations", {}).get(KEY_NOTE) == key:
+                self._put_manifest(manifest, f"probe-{probe}")
+
+    def _probe_of(self, key: str) -> str | None:
+        raw = self.get_bytes(self.entry_name(key))
+        if raw is None:
+            return None
+        probe = json.loads(raw).get("metadata", {}).get("probe")
+        return probe if blobio.is_digest(probe) else None
+
+    def learn_local(self, files: dict[str, Any]) -> None:
+        """Learn the layer digest of local blob files (aotc digest -> path) about to be pushed,
+        so :meth:`head` can ask the registry whether it already holds those bytes."""
+        for digest, path in files.items():
+            if digest not in self._layers:
+                h, size = hashlib.sha256(), 0
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+                        size += len(chunk)
+                self._layers[digest] = ("sha256:" + h.hexdigest(), size)
+
+    def upload(self, name: str, path: Any, on_bytes: Any = None) -> None:
+        """Upload a stored blob file as a layer (skipped when the registry holds those bytes)."""
+        kind, digest = _split(name)
+        with open(path, "rb") as f:
+            data = f.read()
+        layer = self._upload_bytes(data, LAYER_TYPE)
+        self._layers[digest] = (layer["digest"], layer["size"])
+        if on_bytes is not None:
+            on_bytes(len(data))
+
+    def delete(self, name: str) -> None:
+        """Remove an entry's tag (its manifest) or a blob; no error when it is already gone."""
+        kind, rest = _split(name)
+        if kind == "entries":
+            found = self._manifest(rest[: -len(".json")])
+            if found is not None:
+                self._request("DELETE manifest", "DELETE", f"manifests/{found[1]}")
+        elif kind == "blobs" and rest in self._layers:
+            self._request("DELETE blob", "DELETE", f"blobs/{self._layers.pop(rest)[0]}")
+        elif kind == "signatures":
+            key, _, public = rest.partition("/")
+            found = self._manifest(key)
+            if found is not None and SIGNATURE_NOTE + public in found[0].get("annotations", {}):
+                del found[0]["annotations"][SIGNATURE_NOTE + public]
+                self._retag(key, found[0])
+
+    def list(self, prefix: str) -> Iterator[Any]:
+        """The objects under ``prefix``: entries (the key tags), a probe's entry, a key's
+        signatures."""
+        from aotc.fleet.remote import RemoteObject
+
+        kind, rest = _split(prefix)
+        if kind == "entries":
+            for tag in self._tags():
+                if blobio.is_digest(tag):
+                    yield RemoteObject(f"entries/{tag}.json", 0, 0.0)
+        elif kind == "probes":
+            found = self._manifest(f"probe-{rest.rstrip('/')}")
+            key = found[0].get("annotations", {}).get(KEY_NOTE) if found else None
+            if blobio.is_digest(key):
+                yield RemoteObject(f"probes/{rest.rstrip('/')}/{key}", 0, 0.0)
+        elif kind == "signatures":
+            key = rest.rstrip("/")
+            found = self._manifest(key) if blobio.is_digest(key) else None
+            for note, sig in (found[0].get("annotations", {}) if found else {}).items():
+                if note.startswith(SIGNATURE_NOTE):
+                    yield RemoteObject(f"signatures/{key}/{note[len(SIGNATURE_NOTE):]}", len(sig), 0.0)
+
+    def _tags(self) -> builtins.list[str]:
+        r = self._request("list tags", "GET", "tags/list")
+        if r.status_code == 404:
+            return []
+        if r.status_code != 200:
+            raise RemoteError(f"{self.url}: listing tags failed: HTTP {r.status_code}")
+        try:
+            return [str(t) for t in r.json().get("tags") or []]
+        except ValueError:
+            raise RemoteError(f"{self.url}: the registry's tag list is not JSON") from None
+
+
+def _split(name: str) -> tuple[str, str]:
+    kind, _, rest = name.partition("/")
+    if ".." in rest.split("/"):
+        raise RemoteError(f"{name!r}: not an aotc object name")
+    return kind, rest
+
+
+class _Checked(io.RawIOBase):
+    """A layer's byte stream that refuses bytes not hashing to the layer digest: checked once
+    the layer's size is read (or the stream ends), before the reader sees the last bytes."""
+
+    def __init__(self, raw: Any, digest: str, size: int, where: str) -> None:
+        self._raw, self._digest, self._size, self._where = raw, digest, size, where
+        self._hash, self._read = hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._raw.read(n if n is not None and n >= 0 else None, decode_content=True) or b""
+        self._hash.update(data)
+        self._read += len(data)
+        if (not data or self._read >= self._size) and not self._matches():
+            raise DamagedRemoteEntry(f"{self._where}: layer {self._digest[:19]}…: its bytes do not "
+                                     "hash to its digest; refused")
+        return data
+
+    def _matches(self) -> bool:
+        return self._read == self._size and "sha256:" + self._hash.hexdigest() == self._digest
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()

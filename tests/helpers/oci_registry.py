@@ -1,0 +1,57 @@
+"""A real OCI registry for the tests: Debian's ``docker-registry`` (the CNCF distribution
+registry, 2.8) in a child process on 127.0.0.1, a free port, filesystem storage in a temporary
+directory, deletes enabled. ``.ci/run`` installs the package; elsewhere the tests skip."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+BINARY = "docker-registry"
+
+
+def available() -> bool:
+    return shutil.which(BINARY) is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def oci_registry(root: Path) -> Iterator[tuple[str, Path]]:
+    """Start a registry storing under ``root``; yield (``host:port``, its blob data directory)."""
+    port = _free_port()
+    data = root / "data"
+    config = root / "config.yml"
+    config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+                      f"    rootdirectory: {data}\n  delete:\n    enabled: true\n"
+                      f"http:\n  addr: 127.0.0.1:{port}\n")
+    with open(root / "registry.log", "wb") as log:
+        proc = subprocess.Popen([BINARY, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the OCI test registry did not start; see {root}/registry.log")
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}", data / "docker" / "registry" / "v2" / "blobs" / "sha256"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
