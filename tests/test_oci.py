@@ -62,7 +62,10 @@ def test_push_dedup_signed_pull_through_and_inspect(compiled, oci, tmp_path: Pat
     assert run["key"] == k2 and run["traces"] == 0 and run["compiles"] == 0 and run["pulled_bytes"] > 0
     assert public in Store(tmp_path / "replica").signatures(k2)
     listed = json.loads(run_cli("--store", url, "inspect", "cache", "--json", env=env, check=True).stdout)
-    assert {e["key"] for e in listed["entries"]} == {k2, k4}
+    assert {e["key"] for e in listed["entries"]} == {k2, k4} and listed["warnings"] == []
+    assert not any(e["bad"] for e in listed["entries"])
+    checked = run_cli("--store", url, "verify", "--json", env=env)
+    assert checked.returncode == 0 and json.loads(checked.stdout)["bad_keys"] == [], checked.stdout
 
 
 def test_unsigned_registry_entries_are_refused_by_default(compiled, oci, tmp_path: Path) -> None:

@@ -368,12 +368,15 @@ class OciRemote:
                 self._retag(key, found[0])
 
     def list(self, prefix: str) -> Iterator[Any]:
-        """The objects under ``prefix``: entries (the key tags), a probe's entry, a key's
-        signatures."""
+        """The objects under ``prefix``: entries (the key tags), the blobs of the entries read
+        so far, a probe's entry, a key's signatures."""
         from aotc.fleet.remote import RemoteObject
 
         kind, rest = _split(prefix)
-        if kind == "entries":
+        if kind == "blobs":  # the layers of the entries read so far (a registry lists no blobs)
+            for digest, (_layer, size) in sorted(self._layers.items()):
+                yield RemoteObject(f"blobs/{digest}", size, 0.0)
+        elif kind == "entries":
             for tag in self._tags():
                 if blobio.is_digest(tag):
                     yield RemoteObject(f"entries/{tag}.json", 0, 0.0)
