@@ -36,13 +36,14 @@ test: install
 test-quick: install
 	$(PY) -m pytest -q -m "not slow" tests
 
-# Full side-by-side run (<= 30 min on 2 cores): writes bench/results/latest.{json,md} and
-# bench/results/vllm.{json,md}
+# Full side-by-side run (<= 35 min on 2 cores): writes bench/results/latest.{json,md},
+# bench/results/vllm.{json,md}, hf_generate.{json,md} and single_flight.{json,md}
 bench: install
 	$(PY) -m bench.store
 	$(PY) -m bench.sidebyside
 	$(PY) -m bench.vllm_serving
 	$(PY) -m bench.hf_generate
+	$(PY) -m bench.single_flight
 
 # the real vLLM engine side by side (<= 10 min): bench/results/vllm.{json,md}
 bench-vllm: install

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, cast
 
 from aotc.cache import blobio
 from aotc.errors import DamagedRemoteEntry, MissingObject, OversizedObject, RemoteError
+from aotc.fleet.remote import ObjectNames, RemoteObject
 
 __all__ = ["ARTIFACT_TYPE", "OciRemote", "is_oci_url"]
 
@@ -71,7 +72,7 @@ def _sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-class OciRemote:
+class OciRemote(ObjectNames):
     """The registry repository at ``url`` (``oci://host[:port]/repo``), as an object store."""
 
     def __init__(self, url: str, insecure: bool | None = None) -> None:
@@ -94,23 +95,6 @@ class OciRemote:
 
     def __repr__(self) -> str:
         return f"OciRemote({self.url!r})"
-
-    # -- names (the object namespace of aotc.fleet.remote.S3Remote) -------------------------
-    @staticmethod
-    def blob_name(digest: str) -> str:
-        return f"blobs/{digest}"
-
-    @staticmethod
-    def entry_name(key: str) -> str:
-        return f"entries/{key}.json"
-
-    @staticmethod
-    def probe_name(probe: str, key: str) -> str:
-        return f"probes/{probe}/{key}"
-
-    @staticmethod
-    def signature_name(key: str, public_key: str) -> str:
-        return f"signatures/{key}/{public_key}"
 
     # -- the registry -----------------------------------------------------------------------
     @property
@@ -370,8 +354,6 @@ class OciRemote:
     def list(self, prefix: str) -> Iterator[Any]:
         """The objects under ``prefix``: entries (the key tags), the blobs of the entries read
         so far, a probe's entry, a key's signatures."""
-        from aotc.fleet.remote import RemoteObject
-
         kind, rest = _split(prefix)
         if kind == "blobs":  # the layers of the entries read so far (a registry lists no blobs)
             for digest, (_layer, size) in sorted(self._layers.items()):

@@ -49,7 +49,27 @@ def _boto3() -> Any:
     return boto3, botocore
 
 
-class S3Remote:
+class ObjectNames:
+    """The object namespace every remote offers the transfer code (:mod:`aotc.fleet.sync`)."""
+
+    @staticmethod
+    def blob_name(digest: str) -> str:
+        return f"blobs/{digest}"
+
+    @staticmethod
+    def entry_name(key: str) -> str:
+        return f"entries/{key}.json"
+
+    @staticmethod
+    def probe_name(probe: str, key: str) -> str:
+        return f"probes/{probe}/{key}"
+
+    @staticmethod
+    def signature_name(key: str, public_key: str) -> str:
+        return f"signatures/{key}/{public_key}"
+
+
+class S3Remote(ObjectNames):
     """The remote store at ``url`` (``s3://bucket[/prefix]``)."""
 
     def __init__(self, url: str, endpoint_url: str | None = None) -> None:
@@ -96,23 +116,6 @@ class S3Remote:
 
     def __repr__(self) -> str:
         return f"S3Remote({self.url!r})"
-
-    # -- names ------------------------------------------------------------------------------
-    @staticmethod
-    def blob_name(digest: str) -> str:
-        return f"blobs/{digest}"
-
-    @staticmethod
-    def entry_name(key: str) -> str:
-        return f"entries/{key}.json"
-
-    @staticmethod
-    def probe_name(probe: str, key: str) -> str:
-        return f"probes/{probe}/{key}"
-
-    @staticmethod
-    def signature_name(key: str, public_key: str) -> str:
-        return f"signatures/{key}/{public_key}"
 
     # -- operations -------------------------------------------------------------------------
     def _fail(self, exc: Exception, what: str) -> RemoteError:

@@ -5,13 +5,14 @@ directory, deletes enabled. ``.ci/run`` installs the package; elsewhere the test
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from tests.helpers.s3server import free_port, stop
 
 BINARY = "docker-registry"
 
@@ -20,16 +21,10 @@ def available() -> bool:
     return shutil.which(BINARY) is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def oci_registry(root: Path) -> Iterator[tuple[str, Path]]:
     """Start a registry storing under ``root``; yield (``host:port``, its blob data directory)."""
-    port = _free_port()
+    port = free_port()
     data = root / "data"
     config = root / "config.yml"
     config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
@@ -50,8 +45,4 @@ def oci_registry(root: Path) -> Iterator[tuple[str, Path]]:
                 time.sleep(0.1)
         yield f"127.0.0.1:{port}", data / "docker" / "registry" / "v2" / "blobs" / "sha256"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)

@@ -18,7 +18,16 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "aotc-test", "AWS_SECRET_ACCESS_KEY": "aotc-test-
           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
 
 
-def _free_port() -> int:
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a test server: terminate, then kill after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -27,7 +36,7 @@ def _free_port() -> int:
 @contextmanager
 def s3_server(log_path: str) -> Iterator[str]:
     """Start the server; yield its endpoint URL; stop it."""
-    port = _free_port()
+    port = free_port()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                                  str(port)], stdout=log, stderr=subprocess.STDOUT)
@@ -43,8 +52,4 @@ def s3_server(log_path: str) -> Iterator[str]:
                 time.sleep(0.1)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
