@@ -100,11 +100,16 @@ def run_vllm(work: Path, layers: int, decode_tokens: int, say: Any = print) -> d
             r = run_fresh(spec, env, log=d / "engine.log")
             report = d / "report.jsonl"
             r["report"] = [json.loads(x) for x in report.read_text().splitlines()] if report.is_file() else []
+            log = (d / "engine.log").read_text(errors="replace")
+            r["vllm_aot_loaded"] = "Directly load AOT compilation" in log  # no Dynamo this start
+            r["dynamo_traced"] = "saved AOT compiled function" in log
+            r["modelinfo_cached"] = "modelinfos" in {p.name for p in (Path(env["VLLM_CACHE_ROOT"])).glob("*")}
             out[name] = r
             s, tps = r["seconds"], r["decode_tokens_per_s"]
             say(f"  {name:15s} first output {s['first_output']:6.1f}s  engine init "
                 f"{s['engine_init']:6.1f}s  decode {tps['1']:6.1f} tok/s (1)  {tps['8']:6.1f} tok/s (8)"
-                + (f"  aotc: {'hit' if r['report'][0]['hit'] else 'miss'}" if r["report"] else ""))
+                + (f"  aotc: {'hit' if r['report'][0]['hit'] else 'miss'}" if r["report"] else "")
+                + ("  (vLLM AOT record loaded)" if r["vllm_aot_loaded"] else ""))
     tokens = {n: r["tokens"] for n, r in out.items() if n in CONTENDERS}
     out["tokens_equal_eager"] = {n: t == tokens["eager"] for n, t in tokens.items()}
     return out

@@ -120,8 +120,6 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
-    # the kernels' precompiled header (one long g++ run on a cold machine) builds while this process traces
-    header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
     if remote is None or force:
         return _compile_traced(manifest, store, force, progress, jobs, toolchain, base, seconds)
     return _compile_once_in_fleet(manifest, store, remote, progress, jobs, toolchain, base, seconds)
@@ -171,6 +169,9 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
                     toolchain: dict[str, Any], base: dict[str, Any],
                     seconds: dict[str, float]) -> CompileResult:
     """Trace and split, then the compile core (a miss of ``compile_manifest``)."""
+    # the kernels' precompiled header (one long g++ run on a cold machine) builds while this
+    # process traces — only in a process that compiles (not in a replica waiting on a lease)
+    header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts = traced.model, traced.captured, traced.parts
     shapes: list[int | None] = [None, *manifest.compile_sizes]
