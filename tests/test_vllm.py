@@ -193,6 +193,7 @@ def test_a_new_replica_starts_like_a_restart_from_the_shipped_record(lab: Lab) -
     assert "Directly load AOT compilation" in log and "saved AOT compiled function" not in log
     assert "Compiling model again" not in log
     assert "(Worker pid=" in log  # the default layout: engine core and worker processes
+    assert "modelinfos/" in log and "json: written" in log  # vLLM's class inspection shipped too
     from aotc.cache import Store
 
     got = Store(lab.tmp / "replica-store")

@@ -157,3 +157,28 @@ def test_the_plugin_puts_the_record_in_before_vllm_reads_it(tmp_path: Path, monk
     register()
     assert decorators._try_load_aot_compiled_fn is vllms_loader
     assert RECORD_ROLE in store.get(_keys[0]).blobs
+
+
+def test_model_class_inspections_ship_checked_by_vllms_source_hash(tmp_path: Path) -> None:
+    """vLLM's modelinfos/*.json (a fresh cache root inspects the model class in a subprocess)
+    is stored with the records and written back only for the source hash vLLM computed."""
+    import json
+
+    from aotc.vllm.aot_records import MODELINFO_ROLE, materialize_modelinfo, modelinfo_key
+
+    store = Store(tmp_path / "build-store")
+    tc = machine_factors("cpu", store.base / "toolchain")["toolchain"]
+    graph = _graph_entry(store, tc)
+    cache = tmp_path / "build-vllm-cache"
+    info = {"hash": "f" * 64, "modelinfo": {"is_text_generation_model": True}}
+    (cache / "modelinfos").mkdir(parents=True)
+    (cache / "modelinfos" / "llama-LlamaForCausalLM.json").write_text(json.dumps(info))
+    (cache / "modelinfos" / "broken.json").write_text("{not json")
+    keys = store_records(store, cache, "tiny", [graph], "0.32.0")
+    assert keys == [modelinfo_key("llama-LlamaForCausalLM.json", "f" * 64)]
+    assert store.get(keys[0]).metadata["kind"] == MODELINFO_ROLE
+    node = tmp_path / "node" / "modelinfos" / "llama-LlamaForCausalLM.json"
+    assert materialize_modelinfo(TieredStore(store), node, "e" * 64).startswith("no stored")  # source changed
+    assert not node.exists()
+    assert materialize_modelinfo(TieredStore(store), node, "f" * 64) == "written"
+    assert json.loads(node.read_text()) == info

@@ -19,6 +19,7 @@ and vLLM traces and compiles as it would without aotc.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,11 @@ from typing import Any
 from aotc.fleet.trust import sign_if_configured
 from aotc.records.key import compute_key
 
-__all__ = ["RECORD_ROLE", "RecordPlace", "materialize", "place_of", "record_key", "store_records"]
+__all__ = ["MODELINFO_ROLE", "RECORD_ROLE", "RecordPlace", "materialize", "materialize_modelinfo",
+           "modelinfo_key", "place_of", "record_key", "store_records"]
 
 RECORD_ROLE = "vllm-aot-record"
+MODELINFO_ROLE = "vllm-modelinfo"  # vLLM's inspection of a model class ($VLLM_CACHE_ROOT/modelinfos)
 _SUBDIR = ("torch_compile_cache", "torch_aot_compile")
 _FILE = "model"
 
@@ -66,6 +69,12 @@ def record_key(place: RecordPlace, toolchain: dict[str, Any]) -> str:
                         "toolchain": toolchain})
 
 
+def modelinfo_key(filename: str, module_hash: str) -> str:
+    """The store key of vLLM's model-class inspection ``filename`` for the model source whose
+    hash vLLM computed as ``module_hash`` (vLLM re-checks that hash when it reads the file)."""
+    return compute_key({"vllm_modelinfo": {"file": filename, "hash": module_hash}})
+
+
 def find_records(cache_root: Path) -> list[tuple[RecordPlace, Path]]:
     """Every AOT record under a vLLM cache root."""
     base = cache_root.joinpath(*_SUBDIR)
@@ -80,7 +89,9 @@ def find_records(cache_root: Path) -> list[tuple[RecordPlace, Path]]:
 def store_records(store: Any, cache_root: Path, name: str, graph_keys: list[str],
                   vllm_version: str) -> list[str]:
     """Store every record an engine run wrote under ``cache_root`` as an entry naming the graph
-    entries it loads (their toolchain is the record's); returns the record keys."""
+    entries it loads (their toolchain is the record's), and vLLM's model-class inspections
+    (``modelinfos/*.json``: a fresh cache root spends seconds in a subprocess making them);
+    returns the keys."""
     toolchain = store.get(graph_keys[-1], record=False).factors.get("toolchain", {})
     keys = []
     for place, path in find_records(cache_root):
@@ -89,6 +100,17 @@ def store_records(store: Any, cache_root: Path, name: str, graph_keys: list[str]
                   factors={"vllm_aot": {"hash": place.vllm_hash, "layout": place.layout},
                            "toolchain": toolchain},
                   metadata={"kind": RECORD_ROLE, "graph_keys": list(graph_keys), "vllm": vllm_version})
+        sign_if_configured(store, key)
+        keys.append(key)
+    for path in sorted(cache_root.joinpath("modelinfos").glob("*.json")):
+        try:
+            module_hash = json.loads(path.read_text())["hash"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not one vLLM wrote whole: a replica inspects the class itself
+        key = modelinfo_key(path.name, str(module_hash))
+        store.put(key, name, {MODELINFO_ROLE: path.read_bytes()},
+                  factors={"vllm_modelinfo": {"file": path.name, "hash": str(module_hash)}},
+                  metadata={"kind": MODELINFO_ROLE, "vllm": vllm_version})
         sign_if_configured(store, key)
         keys.append(key)
     return keys
@@ -115,10 +137,34 @@ def materialize(tiered: Any, path: str | os.PathLike[str], device: str) -> str:
         return f"entry {key[:16]}… is not a vLLM AOT record"
     for graph_key in entry.metadata.get("graph_keys", []):
         tiered.get(str(graph_key))  # pulled through, verified, trust-checked before vLLM unpickles
-    data = tiered.local.read_blob(entry, RECORD_ROLE)
+    _write_atomic(Path(path), tiered.local.read_blob(entry, RECORD_ROLE))
+    return "written"
+
+
+def materialize_modelinfo(tiered: Any, path: str | os.PathLike[str], module_hash: str) -> str:
+    """Write the stored model-class inspection for vLLM's modelinfo ``path`` (missing) when
+    one was stored for this ``module_hash``; returns what happened in a few words."""
+    from aotc.cache import CacheMiss
+
     target = Path(path)
+    key = modelinfo_key(target.name, module_hash)
+    try:
+        entry = tiered.get(key)
+    except CacheMiss:
+        return f"no stored modelinfo {target.name}"
+    data = tiered.local.read_blob(entry, MODELINFO_ROLE) if MODELINFO_ROLE in entry.blobs else b""
+    try:
+        ok = json.loads(data)["hash"] == module_hash
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if entry.metadata.get("kind") != MODELINFO_ROLE or not ok:
+        return f"entry {key[:16]}… is not vLLM's modelinfo for this source"
+    _write_atomic(target, data)
+    return "written"
+
+
+def _write_atomic(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.aotc-{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, target)
-    return "written"

