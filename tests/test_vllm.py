@@ -185,7 +185,11 @@ def test_a_new_replica_starts_like_a_restart_from_the_shipped_record(lab: Lab) -
     compiled = lab.ordered("compiled")
     cold_key = lab.runs["cold"]["report"][0]["key"]
     assert compiled["hit"] is True and compiled["key"] == cold_key
-    (record,) = compiled["vllm_records"]  # one layout: vLLM's default
+    from aotc.cache import Store
+
+    kinds = {k: Store(lab.store).get(k).metadata["kind"] for k in compiled["vllm_records"]}
+    (record,) = [k for k, kind in kinds.items() if kind == "vllm-aot-record"]  # one layout: the default
+    assert sorted(kinds.values()) == ["vllm-aot-record", "vllm-modelinfo"]
     replica = lab.ordered("replica")
     assert replica["tokens"] == lab.runs["eager"]["tokens"]
     assert replica["report"] == []  # the backend was never called: no Dynamo, no compile
@@ -194,8 +198,6 @@ def test_a_new_replica_starts_like_a_restart_from_the_shipped_record(lab: Lab) -
     assert "Compiling model again" not in log
     assert "(Worker pid=" in log  # the default layout: engine core and worker processes
     assert "modelinfos/" in log and "json: written" in log  # vLLM's class inspection shipped too
-    from aotc.cache import Store
-
     got = Store(lab.tmp / "replica-store")
     assert {record, cold_key} <= set(got.keys())  # pulled through, both signed by the build key
     assert all(lab.public in got.signatures(k) for k in (record, cold_key))
@@ -229,5 +231,5 @@ def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(l
     listed = json.loads(run_cli("--store", str(lab.store), "inspect", "cache", "--json", env=env,
                                 check=True).stdout)
     keys = {e["key"] for e in listed["entries"]}
-    assert {cold_key, out["key"]} <= keys and len(out["vllm_records"]) == 1
+    assert {cold_key, out["key"]} <= keys and len(out["vllm_records"]) == 2  # record, modelinfo
     assert set(out["vllm_records"]) <= keys
