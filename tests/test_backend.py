@@ -226,3 +226,4 @@ def test_the_saved_record_names_an_absolute_store_and_loads_lazily(tmp_path: Pat
     assert g.store == str((tmp_path / "s").resolve()) and g.remote == "s3://b/p"
     assert g.runner is None and len(AotcCompiled.serialize_compile_artifacts(f)) < 300
     assert AotcCompiled("cd" * 32, store="rel").store == str((tmp_path / "rel").resolve())
+    assert AotcCompiled("cd" * 32, store="oci://127.0.0.1:5000/ml/aotc").store == "oci://127.0.0.1:5000/ml/aotc"

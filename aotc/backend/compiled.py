@@ -79,12 +79,15 @@ def _check_machine(entry: Any, store: Any) -> None:
 
 
 def _location(store: Any) -> str | None:
-    """A store as the saved record names it: an absolute directory or an ``s3://`` URL."""
+    """A store as the saved record names it: an absolute directory or a remote's URL
+    (``s3://``, ``oci://``)."""
+    from aotc.settings import is_remote_url
+
     if store is None:
         return None
     root = getattr(store, "root", store)
     text = str(getattr(root, "url", root))
-    if text.startswith("s3://"):
+    if is_remote_url(text):
         return text
     from pathlib import Path
 
