@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-import io
 import json
 import re
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ from typing import Any, BinaryIO, cast
 
 from aotc.cache import blobio
 from aotc.errors import DamagedRemoteEntry, MissingObject, OversizedObject, RemoteError
-from aotc.fleet.remote import ObjectNames, RemoteObject
+from aotc.fleet.objects import DigestChecked, ObjectNames, RemoteObject, split_name
 
 __all__ = ["ARTIFACT_TYPE", "OciRemote", "is_oci_url"]
 
@@ -192,7 +191,7 @@ class OciRemote(ObjectNames):
     def head(self, name: str) -> int | None:
         """The size of object ``name``, or None when there is none (a blob is known only after
         its entry's manifest was read or it was uploaded here)."""
-        kind, rest = _split(name)
+        kind, rest = split_name(name)
         if kind == "blobs":
             layer = self._layers.get(rest)
             if layer is None:
@@ -208,7 +207,7 @@ class OciRemote(ObjectNames):
 
     def get_bytes(self, name: str, limit: int = MAX_RECORD) -> bytes | None:
         """The bytes of a record or signature object, or None when there is none."""
-        kind, rest = _split(name)
+        kind, rest = split_name(name)
         if kind == "entries" and rest.endswith(".json"):
             found = self._manifest(rest[: -len(".json")])
             if found is None:
@@ -238,7 +237,7 @@ class OciRemote(ObjectNames):
     def open(self, name: str) -> tuple[BinaryIO, int]:
         """A stream of blob ``name`` (its layer's bytes, checked against the layer digest as it
         is read) and its size."""
-        kind, digest = _split(name)
+        kind, digest = split_name(name)
         layer = self._layers.get(digest) if kind == "blobs" else None
         if layer is None:
             raise MissingObject(f"{self.url}: {name} is named by no layer of the entry's manifest")
@@ -246,7 +245,7 @@ class OciRemote(ObjectNames):
         if r.status_code != 200:
             raise MissingObject(f"{self.url}: the layer of blob {digest[:16]}… is missing "
                                 f"(HTTP {r.status_code})")
-        return cast(BinaryIO, _Checked(r.raw, layer[0], layer[1], self.url)), layer[1]
+        return cast(BinaryIO, DigestChecked(r.raw, layer[0], layer[1], self.url)), layer[1]
 
     def put(self, name: str, body: bytes | BinaryIO, if_absent: bool = False,
             strict: bool = False) -> bool | None:
@@ -255,7 +254,7 @@ class OciRemote(ObjectNames):
         if strict:
             return None
         data = body if isinstance(body, bytes) else body.read()
-        kind, rest = _split(name)
+        kind, rest = split_name(name)
         if kind == "entries":
             key = rest[: -len(".json")]
             if if_absent and self._manifest(key) is not None:
@@ -327,7 +326,7 @@ class OciRemote(ObjectNames):
 
     def upload(self, name: str, path: Any, on_bytes: Any = None) -> None:
         """Upload a stored blob file as a layer (skipped when the registry holds those bytes)."""
-        kind, digest = _split(name)
+        kind, digest = split_name(name)
         with open(path, "rb") as f:
             data = f.read()
         layer = self._upload_bytes(data, LAYER_TYPE)
@@ -337,7 +336,7 @@ class OciRemote(ObjectNames):
 
     def delete(self, name: str) -> None:
         """Remove an entry's tag (its manifest) or a blob; no error when it is already gone."""
-        kind, rest = _split(name)
+        kind, rest = split_name(name)
         if kind == "entries":
             found = self._manifest(rest[: -len(".json")])
             if found is not None:
@@ -354,7 +353,7 @@ class OciRemote(ObjectNames):
     def list(self, prefix: str) -> Iterator[Any]:
         """The objects under ``prefix``: entries (the key tags), the blobs of the entries read
         so far, a probe's entry, a key's signatures."""
-        kind, rest = _split(prefix)
+        kind, rest = split_name(prefix)
         if kind == "blobs":  # the layers of the entries read so far (a registry lists no blobs)
             for digest, (_layer, size) in sorted(self._layers.items()):
                 yield RemoteObject(f"blobs/{digest}", size, 0.0)
@@ -384,38 +383,3 @@ class OciRemote(ObjectNames):
             return [str(t) for t in r.json().get("tags") or []]
         except ValueError:
             raise RemoteError(f"{self.url}: the registry's tag list is not JSON") from None
-
-
-def _split(name: str) -> tuple[str, str]:
-    kind, _, rest = name.partition("/")
-    if ".." in rest.split("/"):
-        raise RemoteError(f"{name!r}: not an aotc object name")
-    return kind, rest
-
-
-class _Checked(io.RawIOBase):
-    """A layer's byte stream that refuses bytes not hashing to the layer digest: checked once
-    the layer's size is read (or the stream ends), before the reader sees the last bytes."""
-
-    def __init__(self, raw: Any, digest: str, size: int, where: str) -> None:
-        self._raw, self._digest, self._size, self._where = raw, digest, size, where
-        self._hash, self._read = hashlib.sha256(), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._raw.read(n if n is not None and n >= 0 else None, decode_content=True) or b""
-        self._hash.update(data)
-        self._read += len(data)
-        if (not data or self._read >= self._size) and not self._matches():
-            raise DamagedRemoteEntry(f"{self._where}: layer {self._digest[:19]}…: its bytes do not "
-                                     "hash to its digest; refused")
-        return data
-
-    def _matches(self) -> bool:
-        return self._read == self._size and "sha256:" + self._hash.hexdigest() == self._digest
-
-    def close(self) -> None:
-        self._raw.close()
-        super().close()

@@ -20,24 +20,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from aotc.errors import MissingObject, OversizedObject, RemoteError
+from aotc.fleet.objects import ObjectNames, RemoteObject
 from aotc.settings import ENV, Settings, current, is_remote_url  # noqa: F401 - is_remote_url: re-exported
 
 ENDPOINT_ENV = ENV["s3_endpoint"]  # for messages: the variable is read in aotc.settings
 LAYOUT = "store-v1"
 MAX_RECORD = 16 << 20
-
-
-@dataclass(frozen=True)
-class RemoteObject:
-    """One object as a listing describes it (``name`` is relative to the layout root)."""
-
-    name: str
-    size: int
-    modified: float
 
 
 def _boto3() -> Any:
@@ -47,26 +38,6 @@ def _boto3() -> Any:
     except ImportError:  # pragma: no cover - an optional dependency; the message names the fix
         raise RemoteError("an s3:// store needs boto3: pip install 'aotc[s3]' (or boto3)") from None
     return boto3, botocore
-
-
-class ObjectNames:
-    """The object namespace every remote offers the transfer code (:mod:`aotc.fleet.sync`)."""
-
-    @staticmethod
-    def blob_name(digest: str) -> str:
-        return f"blobs/{digest}"
-
-    @staticmethod
-    def entry_name(key: str) -> str:
-        return f"entries/{key}.json"
-
-    @staticmethod
-    def probe_name(probe: str, key: str) -> str:
-        return f"probes/{probe}/{key}"
-
-    @staticmethod
-    def signature_name(key: str, public_key: str) -> str:
-        return f"signatures/{key}/{public_key}"
 
 
 class S3Remote(ObjectNames):

@@ -30,7 +30,7 @@ NOT_COMPILE_LOGIC: dict[str, str] = {
     "aotc.settings": "reads AOTC_* variables; the ones a compile uses (sizes, ops) are factors",
     "aotc.fleet": _FLEET, "aotc.fleet.bundle": _FLEET, "aotc.fleet.remote": _FLEET,
     "aotc.fleet.remote_scan": _FLEET, "aotc.fleet.sync": _FLEET, "aotc.fleet.trust": _FLEET,
-    "aotc.fleet.tiered": _FLEET, "aotc.fleet.oci": _FLEET,
+    "aotc.fleet.tiered": _FLEET, "aotc.fleet.oci": _FLEET, "aotc.fleet.objects": _FLEET,
     "aotc.fleet.lease": "decides which process of a fleet compiles a missing entry, not what it builds",
     "aotc.lookup": _KEY, "aotc.lookup.compile_logic": _KEY, "aotc.lookup.explain": _KEY,
     "aotc.lookup.filehash": _KEY, "aotc.lookup.resolve": _KEY, "aotc.lookup.stores": _KEY,
