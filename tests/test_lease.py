@@ -32,6 +32,17 @@ def test_the_test_server_honours_conditional_writes(s3) -> None:
     assert remote.get_bytes("x") == b"1" and list(remote.list("lease-probes/")) == []  # probe gone
 
 
+def test_a_remote_that_cannot_be_written_means_no_leases_not_a_failure(s3, caplog) -> None:
+    """Read-only credentials (here: a bucket that does not exist) never fail a start: no
+    leases, said once, and the caller builds."""
+    s3()  # the server runs
+    remote = S3Remote("s3://no-such-bucket-for-leases/x")
+    assert not conditional_writes(remote)
+    assert single_flight(remote, "k0", "toy", lambda: None, lambda: "built", 10, 10) == "built"
+    lines = [r.getMessage() for r in caplog.records if "no compile leases" in r.getMessage()]
+    assert len(lines) == 1 and "cannot be written" in lines[0]
+
+
 def test_concurrent_misses_build_once_and_the_others_fetch(s3) -> None:
     remote = _remote(s3)
     stored: list[str] = []

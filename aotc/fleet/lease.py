@@ -70,18 +70,21 @@ def conditional_writes(remote: Any) -> bool:
     """Whether the remote honours conditional creates (probed once per URL: create an object
     twice with ``If-None-Match: *``; the second must be refused)."""
     if remote.url not in _SUPPORT:
+        from aotc.errors import RemoteError
+
         probe = f"lease-probes/{uuid.uuid4().hex}"  # outside leases/: never mistaken for one
-        ok = False
+        ok, why = False, "does not honour conditional writes"
         try:
             first = remote.put(probe, b"", if_absent=True, strict=True)
             second = remote.put(probe, b"", if_absent=True, strict=True)
             ok = first is True and second is False
-        finally:
             remote.delete(probe)
+        except RemoteError as e:  # read-only credentials, say: no leases, never a failed start
+            why = f"cannot be written ({e})"
         _SUPPORT[remote.url] = ok
         if not ok:
-            _LOG.warning("aotc: %s does not honour conditional writes: no compile leases, each "
-                         "process that misses compiles (as before)", remote.url)
+            _LOG.warning("aotc: %s %s: no compile leases, each process that misses compiles "
+                         "(as before)", remote.url, why)
     return _SUPPORT[remote.url]
 
 
