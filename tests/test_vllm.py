@@ -25,6 +25,8 @@ start the default way.
   pulled and put where vLLM looks; neither Dynamo nor the backend runs);
 - other-batch: the same but ``max_num_batched_tokens`` changed: vLLM's own hash differs, so no
   record is found and vLLM traces (the backend hits the stored graph);
+- other-layout: the same engine in one process (the record was stored for vLLM's default layout
+  only): another hash, no record, vLLM traces;
 - ``aotc compile`` of a manifest naming a changed model config: a clean miss, a new entry.
 """
 
@@ -94,7 +96,8 @@ class Lab:
 
     def ordered(self, name: str) -> dict[str, Any]:
         """Run ``name`` after the runs it builds on."""
-        order = ["eager", "cold", "warm", "kept", "no-aot", "node", "compiled", "replica", "other-batch"]
+        order = ["eager", "cold", "warm", "kept", "no-aot", "node", "compiled", "replica", "other-batch",
+                 "other-layout"]
         for prior in order[: order.index(name) + 1]:
             kw: dict[str, str] = {}
             if prior == "compiled":
@@ -110,7 +113,7 @@ class Lab:
                 kw = {"AOTC_STORE": str(self.tmp / "node-store"), "AOTC_REMOTE": self.remote,
                       "AOTC_TRUST_KEYS": self.public,
                       "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default: a spawned worker
-            elif prior in ("replica", "other-batch"):  # new nodes: nothing local
+            elif prior in ("replica", "other-batch", "other-layout"):  # new nodes: nothing local
                 kw = {"AOTC_STORE": str(self.tmp / f"{prior}-store"), "AOTC_REMOTE": self.remote,
                       "AOTC_TRUST_KEYS": self.public, "AOTC_LOG": "info"}
                 if prior == "replica":
@@ -211,6 +214,14 @@ def test_a_changed_engine_config_never_loads_anothers_record(lab: Lab) -> None:
     assert "saved AOT compiled function" in run["log"]  # Dynamo traced, vLLM saved its own
     assert "no record for vLLM hash" in run["log"]
     assert [r["hit"] for r in run["report"]] == [True]  # the graph itself is the same: pulled
+
+
+def test_another_process_layout_never_loads_the_default_layouts_record(lab: Lab) -> None:
+    run = lab.ordered("other-layout")  # in-process; the compile stored the default layout's record
+    assert run["tokens"] == lab.runs["eager"]["tokens"]
+    assert "Directly load AOT compilation" not in run["log"] and "no record for vLLM hash" in run["log"]
+    assert "saved AOT compiled function" in run["log"] and "(Worker pid=" not in run["log"]
+    assert [r["hit"] for r in run["report"]] == [True]
 
 
 def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(lab: Lab) -> None:
