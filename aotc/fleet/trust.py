@@ -89,7 +89,7 @@ def sign_entry(store: Store, key: str, private_key_path: Path | str) -> str:
     """Sign entry ``key`` with the private key in ``private_key_path``; returns the public key."""
     private = _private_key(private_key_path)
     entry = store.get(key, record=False)
-    public = private.public_key().public_bytes_raw().hex()
+    public = _public_hex(private)
     store.add_signature(key, public, private.sign(store.signing_payload(entry)).hex())
     return public
 
@@ -120,7 +120,11 @@ def trust_policy(explicit: Iterable[str] = (), settings: Settings | None = None,
 
 def public_key_of(private_key_path: Path | str) -> str:
     """The public key (hex) of the private key in that file."""
-    return str(_private_key(private_key_path).public_key().public_bytes_raw().hex())
+    return _public_hex(_private_key(private_key_path))
+
+
+def _public_hex(private: Any) -> str:
+    return str(private.public_key().public_bytes_raw().hex())
 
 
 def sign_if_configured(store: Store, key: str, settings: Settings | None = None) -> str | None:
@@ -129,12 +133,10 @@ def sign_if_configured(store: Store, key: str, settings: Settings | None = None)
     path = (settings or current()).signing_key
     if not path:
         return None
-    private = _private_key(path)
-    public = private.public_key().public_bytes_raw().hex()
+    public = public_key_of(path)
     if public not in store.signatures(key):
-        entry = store.get(key, record=False)
-        store.add_signature(key, public, private.sign(store.signing_payload(entry)).hex())
-    return str(public)
+        sign_entry(store, key, path)
+    return public
 
 
 def signature_state(store: Store, entry: Entry, trusted: frozenset[str]) -> str:
