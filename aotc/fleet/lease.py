@@ -141,11 +141,11 @@ def single_flight(remote: Any, lease_id: str, what: str, fetch: Callable[[], T |
     (compile and push) — under the remote's compile lease ``lease_id`` so that only one process
     builds at a time (module doc). ``what`` names the work in messages; ``say`` gets the waiting
     lines (default: the ``aotc.lease`` logger at info)."""
-    say = say or _LOG.info
+    now_and_then = _NowAndThen(say or _LOG.info)
     if not conditional_writes(remote):
-        return fetch() or build()
+        got = fetch()
+        return got if got is not None else build()
     deadline = time.monotonic() + max_wait
-    said = 0.0
     while True:
         got = fetch()
         if got is not None:
@@ -167,10 +167,8 @@ def single_flight(remote: Any, lease_id: str, what: str, fetch: Callable[[], T |
             _LOG.warning("aotc: waited %.0fs for %s to compile %s (its lease since %s); compiling "
                          "here", max_wait, holder.owner, what, _clock(holder.since))
             return build()
-        if time.monotonic() - said > 10 or said == 0.0:
-            said = time.monotonic()
-            say(f"aotc: {holder.owner} is compiling {what} since {_clock(holder.since)} (its lease "
-                f"expires in {holder.expires - time.time():.0f}s unless renewed); waiting for it")
+        now_and_then(f"aotc: {holder.owner} is compiling {what} since {_clock(holder.since)} (its "
+                     f"lease expires in {holder.expires - time.time():.0f}s unless renewed); waiting for it")
         time.sleep(poll)
 
 
@@ -181,9 +179,8 @@ def wait_for_holder(remote: Any, lease_id: str, what: str, fetch: Callable[[], T
     holds a live compile lease ``lease_id``, wait (bounded by ``max_wait``) and ``fetch()`` the
     entry as soon as it is there. None when nobody holds the lease, it expired or was released
     without the entry, or the bound passed."""
-    say = say or _LOG.info
+    now_and_then = _NowAndThen(say or _LOG.info)
     deadline = time.monotonic() + max_wait
-    said = 0.0
     while True:
         holder = LeaseInfo.parse(remote.get_bytes(_name(lease_id)))
         if holder is None or holder.expires < time.time():
@@ -195,11 +192,22 @@ def wait_for_holder(remote: Any, lease_id: str, what: str, fetch: Callable[[], T
             _LOG.warning("aotc: waited %.0fs for %s to compile %s; not there yet", max_wait,
                          holder.owner, what)
             return None
-        if said == 0.0 or time.monotonic() - said > 10:
-            said = time.monotonic()
-            say(f"aotc: {holder.owner} is compiling {what} since {_clock(holder.since)}; waiting "
-                "to pull it")
+        now_and_then(f"aotc: {holder.owner} is compiling {what} since {_clock(holder.since)}; "
+                     "waiting to pull it")
         time.sleep(poll)
+
+
+class _NowAndThen:
+    """Passes a waiting line on at once, then at most every ``seconds``."""
+
+    def __init__(self, say: Callable[[str], None], seconds: float = 10.0) -> None:
+        self.say, self.seconds = say, seconds
+        self.last: float | None = None
+
+    def __call__(self, text: str) -> None:
+        if self.last is None or time.monotonic() - self.last > self.seconds:
+            self.last = time.monotonic()
+            self.say(text)
 
 
 def _take_over(remote: Any, lease_id: str, expired: LeaseInfo) -> None:

@@ -49,23 +49,22 @@ class TieredStore:
             from aotc.fleet.sync import pull_entry
 
             t = time.perf_counter()
-            try:
-                pulled = pull_entry(self.remote, self.local, key, self.trusted, self.progress)
-            except CacheMiss:
-                if self.lease_wait <= 0:
-                    raise
+            misses: list[CacheMiss] = []
+
+            def pull() -> Any:
+                try:
+                    return pull_entry(self.remote, self.local, key, self.trusted, self.progress)
+                except CacheMiss as e:
+                    misses.append(e)
+                    return None
+
+            pulled = pull()
+            if pulled is None and self.lease_wait > 0:  # being compiled elsewhere? wait for it
                 from aotc.fleet.lease import wait_for_holder
 
-                def pull() -> Any:
-                    try:
-                        return pull_entry(self.remote, self.local, key, self.trusted, self.progress)
-                    except CacheMiss:
-                        return None
-
-                waited = wait_for_holder(self.remote, key, f"{key[:16]}…", pull, self.lease_wait)
-                if waited is None:
-                    raise
-                pulled = waited
+                pulled = wait_for_holder(self.remote, key, f"{key[:16]}…", pull, self.lease_wait)
+            if pulled is None:
+                raise misses[0]
             self._pulled(pulled.bytes_moved, time.perf_counter() - t)
         return self.local.get(key)
 
