@@ -78,7 +78,7 @@ class Settings:
         env = os.environ if env is None else env
         text = {k: (env.get(v) or "").strip() or None for k, v in ENV.items()}
         loader = (text["loader"] or "fast").lower()
-        progress = (text["progress"] or "0").lower() not in ("0", "", "false", "no")
+        progress = _flag(text["progress"], False)
         log = (text["log"] or ("info" if progress else "")).lower() or None
         if log is not None and log not in ("debug", "info", "warning", "error"):
             from aotc.errors import SettingsError
@@ -93,12 +93,12 @@ class Settings:
             cache_home=Path(xdg).expanduser() if xdg else None,
             splitting_ops=text["splitting_ops"], compile_sizes=text["compile_sizes"],
             report=text["report"], fallback=text["fallback"],
-            vllm_records=(text["vllm_records"] or "1").lower() not in ("0", "false", "no"),
-            allow_unsigned=(text["allow_unsigned"] or "0").lower() not in ("0", "false", "no"),
+            vllm_records=_flag(text["vllm_records"], True),
+            allow_unsigned=_flag(text["allow_unsigned"], False),
             signing_key=text["signing_key"],
             lease_ttl=_seconds(text["lease_ttl"], "lease_ttl", 60.0),
             lease_wait=_seconds(text["lease_wait"], "lease_wait", 1800.0),
-            oci_insecure=(text["oci_insecure"] or "0").lower() not in ("0", "false", "no"),
+            oci_insecure=_flag(text["oci_insecure"], False),
         )
 
     @property
@@ -112,6 +112,13 @@ class Settings:
         if self.store and not self.store_is_remote:
             return Path(self.store).expanduser()
         return (self.cache_home or Path.home() / ".cache") / "aotc"
+
+
+def _flag(text: str | None, default: bool) -> bool:
+    """A yes/no variable: unset is ``default``; ``0``, ``false``, ``no`` are no, anything else yes."""
+    if text is None:
+        return default
+    return text.lower() not in ("0", "false", "no")
 
 
 def _seconds(text: str | None, field: str, default: float) -> float:
