@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from aotc._torch.task_result import RESULT_FILE
 from aotc.cache import Store, verify
 from tests.conftest import AOTC_CLI, PYTHON, python_env, tiny_manifest
 
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.slow
 POINTS = 20
 EVENTS = {  # progress text that marks the event on stderr -> (times drawn, longest delay, s)
     "start": ("", 3, 2.5), "capture": ("] capture", 3, 1.5), "split": ("] split", 3, 1.5),
-    "compiling": ("compiling", 4, 1.5), "piece": (" piece ", 4, 1.5),
-}
+    "compiling": ("compiling", 4, 1.5), "piece": (" piece ", 4, 0.2),
+}  # a piece kill lands right at its line: from Inductor's warm cache the next piece is quick
 LATE = {"check": ("] check", 2, 0.05), "stored": ("] stored", 1, 0.3)}  # last: after these the
 # checkpoints may be gone (the entry stored), and the next --force compile starts from scratch
 
@@ -66,6 +67,13 @@ def _run_until(cmd: list[str], marker: str, delay: float) -> tuple[bool, str]:
     return killed, "".join(seen)
 
 
+def _finished_pieces(root: Path) -> int:
+    """How many finished piece results the compile work directories hold."""
+    tmp = root / "store-v1" / "tmp"
+    return sum(1 for w in tmp.glob("compile-*") for d in w.iterdir()
+               if d.is_dir() and not d.name.startswith(".") and (d / RESULT_FILE).exists())
+
+
 def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
     seed = int(os.environ.get("AOTC_CRASH_SEED", str(time.time_ns() % 10**9)))
     rng = random.Random(seed)
@@ -80,14 +88,21 @@ def test_sigkill_at_random_points_then_compile_succeeds(tmp_path) -> None:
     kills: dict[str, int] = {}
     completed = runs = resumed_runs = 0
     spent: list[str] = []
+    left = 0  # finished pieces the last killed run left behind
     while sum(kills.values()) < POINTS and runs < POINTS * 2:
         event = plan[min(sum(kills.values()), POINTS - 1)]
         marker, _times, longest = table[event]
+        delay = 0.0 if event == "piece" and "piece" not in kills else rng.uniform(0.0, longest)
         t = time.perf_counter()
-        killed, seen = _run_until(cmd, marker, rng.uniform(0.0, longest))
+        killed, seen = _run_until(cmd, marker, delay)
         spent.append(f"{event} {time.perf_counter() - t:.0f}s")
         runs += 1
-        resumed_runs += "resumed from an interrupted compile" in seen
+        resumed = "resumed from an interrupted compile" in seen
+        resumed_runs += resumed
+        # a run that got as far as compiling resumes what the killed one before it had finished
+        assert resumed or not left or "compiling" not in seen, (
+            f"seed {seed}: {left} finished pieces were left, the next run compiled them again")
+        left = _finished_pieces(root)
         if killed:
             kills[event] = kills.get(event, 0) + 1
         else:
