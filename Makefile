@@ -29,8 +29,10 @@ demo: install
 	$(VENV)/bin/aotc --store $(DEMO_STORE) inspect cache
 	$(VENV)/bin/aotc --store $(DEMO_STORE) verify
 
+# both cores (pytest-xdist), one test file per worker at a time: a file's session fixtures (a
+# compiled store, a vLLM lab, a server) are built once; tests/conftest.py starts the longest first
 test: install
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # <= 3 min: everything but the tests marked slow (no model compiles beyond one tiny piece)
 test-quick: install

@@ -68,9 +68,10 @@ def _run_until(cmd: list[str], marker: str, delay: float) -> tuple[bool, str]:
 
 
 def _finished_pieces(root: Path) -> int:
-    """How many finished piece results the compile work directories hold."""
+    """How many finished piece results the compile work directories hold (one a kill caught
+    being removed, ``….removing-PID``, is no compile's to resume)."""
     tmp = root / "store-v1" / "tmp"
-    return sum(1 for w in tmp.glob("compile-*") for d in w.iterdir()
+    return sum(1 for w in tmp.glob("compile-*") if ".removing-" not in w.name for d in w.iterdir()
                if d.is_dir() and not d.name.startswith(".") and (d / RESULT_FILE).exists())
 
 
