@@ -59,6 +59,7 @@ class Settings:
     loader: str = "fast"
     progress: bool = False
     cache_home: Path | None = None  # $XDG_CACHE_HOME: where the default store lives
+    docker_config: Path | None = None  # $DOCKER_CONFIG: docker's config dir (registry credentials)
     splitting_ops: str | None = None  # as written; parsed by aotc.backend.config
     compile_sizes: str | None = None
     report: str | None = None
@@ -84,13 +85,14 @@ class Settings:
             from aotc.errors import SettingsError
 
             raise SettingsError(f"AOTC_LOG={text['log']!r}: use debug, info, warning or error")
-        xdg = env.get("XDG_CACHE_HOME")
+        xdg, docker = env.get("XDG_CACHE_HOME"), env.get("DOCKER_CONFIG")
         return cls(
             store=text["store"], remote=text["remote"], s3_endpoint=text["s3_endpoint"],
             trust_keys=tuple(t for t in (text["trust_keys"] or "").replace(",", " ").split() if t),
             loader="inductor" if loader == "inductor" else "fast",
             progress=progress, log=log,
             cache_home=Path(xdg).expanduser() if xdg else None,
+            docker_config=Path(docker).expanduser() if docker else None,
             splitting_ops=text["splitting_ops"], compile_sizes=text["compile_sizes"],
             report=text["report"], fallback=text["fallback"],
             vllm_records=_flag(text["vllm_records"], True),

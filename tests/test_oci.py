@@ -138,3 +138,164 @@ def test_a_registry_has_no_leases_and_says_so_once(oci, caplog) -> None:
     assert single_flight(remote, "ab" * 32, "toy", lambda: None, lambda: "built", 10, 10) == "built"
     lines = [r.getMessage() for r in caplog.records if "conditional writes" in r.getMessage()]
     assert len(lines) == 1 and remote.url in lines[0]
+
+
+def _bcrypt_line(user: str, password: str) -> str | None:
+    """An htpasswd line (bcrypt, what Distribution accepts) from the system's crypt(3); None
+    where it cannot make one."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.11's crypt: fine for a test
+        try:
+            import crypt
+
+            hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+        except (ImportError, ValueError, OSError, AttributeError):
+            return None
+    return f"{user}:{hashed}" if hashed and hashed.startswith("$2") else None
+
+
+def test_a_registry_that_wants_credentials_gets_the_docker_configs(compiled, oci, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """A registry with Basic auth (htpasswd) and deletes off, as production registries run:
+    without credentials one line naming `docker login`; with the docker config's, push and pull
+    work; a delete the registry refuses is said, never taken for done."""
+    import base64
+
+    from tests.helpers.oci_registry import oci_registry
+
+    line = _bcrypt_line("ci", "s3cret")
+    if line is None:
+        pytest.skip("this system's crypt(3) makes no bcrypt hashes")
+    _tmp, store, results = compiled
+    key = results[2][1].key
+    (tmp_path / "htpasswd").write_text(line + "\n")
+    (tmp_path / "reg").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.docker of the machine's
+    with oci_registry(tmp_path / "reg", htpasswd=tmp_path / "htpasswd", delete=False) as (host, _b):
+        url = f"oci://{host}/team/aotc"
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "nobody"))
+        with pytest.raises(RemoteError, match=r"wants credentials.*docker login"):
+            push_entry(store, OciRemote(url), key)
+        config = tmp_path / "docker"
+        config.mkdir()
+        wrong = base64.b64encode(b"ci:wrong").decode()
+        (config / "config.json").write_text(json.dumps({"auths": {host: {"auth": wrong}}}))
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))
+        with pytest.raises(RemoteError, match="wants credentials"):
+            push_entry(store, OciRemote(url), key)
+        right = base64.b64encode(b"ci:s3cret").decode()
+        (config / "config.json").write_text(json.dumps({"auths": {host: {"auth": right}}}))
+        assert push_entry(store, OciRemote(url), key).moved
+        replica = Store(tmp_path / "r")
+        assert pull_entry(OciRemote(url), replica, key, ALLOW).moved and replica.keys() == [key]
+        with pytest.raises(RemoteError, match="deletion disabled"):
+            OciRemote(url).delete(OciRemote.entry_name(key))
+        assert OciRemote(url).get_bytes(OciRemote.entry_name(key)) is not None
+
+
+class _AnsweringServer:
+    """A registry stand-in on 127.0.0.1 that answers every request with one canned HTTP
+    response (``body`` under ``length``; a shorter body means the connection breaks off): what a
+    real registry never serves, a hostile or broken one may."""
+
+    def __init__(self, body: bytes, length: int | None = None) -> None:
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"oci://127.0.0.1:{self.listener.getsockname()[1]}/team/aotc"
+        head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (len(body) if length is None else length))
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _addr = self.listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(head + body)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def __enter__(self) -> str:
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.listener.close()
+
+
+def _manifest_with(spoil: str) -> bytes:
+    from aotc.fleet.oci import ARTIFACT_TYPE, CONFIG_TYPE, LAYER_TYPE, MANIFEST_TYPE
+
+    digest = "sha256:" + "ab" * 32
+    m: dict = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "artifactType": ARTIFACT_TYPE,
+               "config": {"mediaType": CONFIG_TYPE, "digest": digest, "size": 2},
+               "layers": [{"mediaType": LAYER_TYPE, "digest": digest, "size": 2,
+                           "annotations": {"org.aotc.digest": "cd" * 32}}],
+               "annotations": {"org.aotc.key": "ef" * 32}}
+    if spoil == "annotations-a-list":
+        m["annotations"] = ["org.aotc.key", "ef" * 32]
+    elif spoil == "a-layer-not-an-object":
+        m["layers"].append(1)
+    elif spoil == "a-signature-number":
+        m["annotations"]["org.aotc.signature." + "ab" * 32] = 7
+    elif spoil == "config-a-string":
+        m["config"] = CONFIG_TYPE
+    return json.dumps(m).encode()
+
+
+@pytest.mark.parametrize("spoil", ["annotations-a-list", "a-layer-not-an-object", "a-signature-number",
+                                   "config-a-string"])
+def test_a_manifest_of_the_wrong_shape_is_refused(spoil: str) -> None:
+    """Every field read from a manifest has the shape it must (a real registry refuses such a
+    manifest on upload; a hostile one serves it): one RemoteError, never a TypeError."""
+    with _AnsweringServer(_manifest_with(spoil)) as url:
+        remote = OciRemote(url)
+        for name in (remote.entry_name("ef" * 32), remote.signature_name("ef" * 32, "ab" * 32)):
+            with pytest.raises(RemoteError, match="is not an aotc entry"):
+                remote.get_bytes(name)
+
+
+def test_a_registry_answer_that_breaks_off_is_one_remote_error() -> None:
+    """A manifest whose body stops half-way (the connection closed): a RemoteError naming the
+    registry, not urllib3's own exception escaping into a server."""
+    with _AnsweringServer(_manifest_with("none")[:40], length=5000) as url:
+        remote = OciRemote(url)
+        with pytest.raises(RemoteError, match="broke off"):
+            remote.get_bytes(remote.entry_name("ef" * 32))
+
+
+def test_a_listing_follows_the_registrys_pages() -> None:
+    """A registry that pages its tag list (``Link: <…>; rel="next"``, as Distribution 3 and
+    most hosted registries do; the test registry, 2.8, does not) is listed whole."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    k1, k2 = "1" * 64, "2" * 64
+
+    class Pages(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            last = "last=" in self.path
+            body = json.dumps({"name": "team/aotc", "tags": [k2 if last else k1, "name-x"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            if not last:
+                self.send_header("Link", f'</v2/team/aotc/tags/list?n=2&last={k1}>; rel="next"')
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = OciRemote(f"oci://127.0.0.1:{server.server_address[1]}/team/aotc")
+        assert {o.name for o in remote.list("entries/")} == {remote.entry_name(k1), remote.entry_name(k2)}
+    finally:
+        server.shutdown()

@@ -11,18 +11,19 @@ that name). Signatures travel as manifest annotations (``org.aotc.signature.<pub
 and are enforced on pull like any remote's (:mod:`aotc.fleet.trust`).
 
 The registry client is the kept ``oras`` library (``pip install 'aotc[oci]'``), imported only
-when an ``oci://`` remote is used. :class:`OciRemote` offers the object namespace the transfer
-code (:mod:`aotc.fleet.sync`, :mod:`aotc.fleet.remote_scan`) works with — ``blobs/<digest>``,
-``entries/<key>.json``, ``probes/<probe>/<key>``, ``signatures/<key>/<public key>`` — mapped
-onto manifests, layers and tags, so push, pull, pull-through, ``inspect``/``verify`` and the
-trust policy are the same code for both kinds of remote. Everything read from the registry is
-checked before use: a manifest of another type or too large, a config or layer whose bytes do
-not hash to their digest, a layer the record does not name, a record naming a blob no layer
-holds — each is a ``RemoteError`` naming it, and nothing is half-written locally (a pull stages
-and verifies every blob before the store's index row is written).
+when an ``oci://`` remote is used; HTTP and credentials are :mod:`aotc.fleet.oci_http`'s.
+:class:`OciRemote` offers the object namespace the transfer code (:mod:`aotc.fleet.sync`,
+:mod:`aotc.fleet.remote_scan`) works with — ``blobs/<digest>``, ``entries/<key>.json``,
+``probes/<probe>/<key>``, ``signatures/<key>/<public key>`` — mapped onto manifests, layers and
+tags, so push, pull, pull-through, ``inspect``/``verify`` and the trust policy are the same code
+for both kinds of remote. Everything read from the registry is checked before use: a manifest of
+another type, shape or too large, a config or layer whose bytes do not hash to their digest, a
+record naming a blob no layer holds — each is a ``RemoteError`` naming it, and nothing is
+half-written locally (a pull stages and verifies every blob before the store's index row is
+written).
 
 Plain HTTP is used for a registry on a loopback address (a test or a node-local mirror) and
-with ``AOTC_OCI_INSECURE=1``; HTTPS otherwise. Credentials come from the docker config oras reads.
+with ``AOTC_OCI_INSECURE=1``; HTTPS otherwise.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, BinaryIO, cast
 from aotc.cache import blobio
 from aotc.errors import DamagedRemoteEntry, MissingObject, OversizedObject, RemoteError
 from aotc.fleet.objects import DigestChecked, ObjectNames, RemoteObject, split_name
+from aotc.fleet.oci_http import RegistryHttp
 
 __all__ = ["ARTIFACT_TYPE", "OciRemote", "is_oci_url"]
 
@@ -49,6 +51,7 @@ SIGNATURE_NOTE = "org.aotc.signature."
 KEY_NOTE = "org.aotc.key"
 MAX_MANIFEST = 4 << 20
 MAX_RECORD = 16 << 20
+TAG_PAGE = 1000  # tags asked for per page of a listing
 _REPO = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
 _OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _HOST = re.compile(r"^[A-Za-z0-9.-]+(?::[0-9]{1,5})?$")
@@ -59,12 +62,10 @@ def is_oci_url(value: object) -> bool:
     return isinstance(value, str) and value.startswith("oci://")
 
 
-def _oras() -> Any:
-    try:
-        import oras.provider
-    except ImportError:  # pragma: no cover - an optional dependency; the message names the fix
-        raise RemoteError("an oci:// remote needs oras: pip install 'aotc[oci]' (or oras)") from None
-    return oras.provider
+def _plain_notes(notes: object) -> bool:
+    """Whether ``notes`` is what an annotations field must be: text names to text values."""
+    return isinstance(notes, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                           for k, v in notes.items())
 
 
 def _sha(data: bytes) -> str:
@@ -88,55 +89,39 @@ class OciRemote(ObjectNames):
             name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
             insecure = current().oci_insecure or name in ("localhost", "127.0.0.1", "::1")
         self.insecure = insecure
-        self._registry: Any = None
+        self.http = RegistryHttp(self.url, host, repo, insecure)
+        self._request, self._read = self.http.request, self.http.read
         self._layers: dict[str, tuple[str, int]] = {}  # aotc digest -> (layer digest, size)
         self.root = ""
 
     def __repr__(self) -> str:
         return f"OciRemote({self.url!r})"
 
-    # -- the registry -----------------------------------------------------------------------
-    @property
-    def registry(self) -> Any:
-        """The oras registry client, made on first use."""
-        if self._registry is None:
-            self._registry = _oras().Registry(hostname=self.host, insecure=self.insecure)
-        return self._registry
-
     @property
     def errors(self) -> tuple[type[Exception], ...]:
-        import requests
-
-        return (requests.RequestException, ValueError, OSError)
-
-    def _target(self, ref: str) -> str:
-        sep = "@" if ref.startswith("sha256:") else ":"
-        return f"{self.host}/{self.repo}{sep}{ref}"
-
-    def _request(self, what: str, method: str, path: str, **kw: Any) -> Any:
-        prefix = "http" if self.insecure else "https"
-        url = f"{prefix}://{self.host}/v2/{self.repo}/{path}"
-        try:
-            return self.registry.session.request(method, url, timeout=120, **kw)
-        except Exception as e:  # noqa: BLE001 - requests' many errors: one line naming the registry
-            raise RemoteError(f"{self.url}: {what} failed: cannot reach the registry ({e})") from None
+        return self.http.errors
 
     def _manifest(self, ref: str) -> tuple[dict[str, Any], str] | None:
         """The aotc manifest tagged ``ref`` and its digest; None when the tag does not exist."""
         r = self._request(f"GET manifest {ref}", "GET", f"manifests/{ref}",
                           headers={"Accept": MANIFEST_TYPE}, stream=True)
-        if r.status_code == 404:
-            return None
         if r.status_code != 200:
+            r.close()
+            if r.status_code == 404:
+                return None
             raise RemoteError(f"{self.url}: GET manifest {ref} failed: HTTP {r.status_code}")
-        raw = r.raw.read(MAX_MANIFEST + 1, decode_content=True)
+        raw = self._read(r, MAX_MANIFEST, f"GET manifest {ref}")
         if len(raw) > MAX_MANIFEST:
             raise OversizedObject(f"{self.url}: manifest {ref} is larger than {MAX_MANIFEST} bytes")
         try:
             m = json.loads(raw)
             ok = (isinstance(m, dict) and m.get("artifactType") == ARTIFACT_TYPE
-                  and m["config"]["mediaType"] == CONFIG_TYPE and isinstance(m["layers"], list))
-        except (ValueError, KeyError, TypeError):
+                  and isinstance(m.get("config"), dict) and m["config"].get("mediaType") == CONFIG_TYPE
+                  and isinstance(m.get("layers"), list)
+                  and all(isinstance(x, dict) for x in m["layers"])
+                  and _plain_notes(m.get("annotations", {}))
+                  and all(_plain_notes(x.get("annotations", {})) for x in m["layers"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
             ok = False
         if not ok:
             raise DamagedRemoteEntry(f"{self.url}: tag {ref} is not an aotc entry (artifactType "
@@ -153,8 +138,9 @@ class OciRemote(ObjectNames):
     def _blob_bytes(self, digest: str, limit: int) -> bytes:
         r = self._request(f"GET blob {digest[:19]}", "GET", f"blobs/{digest}", stream=True)
         if r.status_code != 200:
+            r.close()
             raise MissingObject(f"{self.url}: blob {digest[:19]}… is missing (HTTP {r.status_code})")
-        data = r.raw.read(limit + 1, decode_content=True)
+        data = self._read(r, limit, f"GET blob {digest[:19]}")
         if len(data) > limit:
             raise OversizedObject(f"{self.url}: blob {digest[:19]}… is larger than {limit} bytes")
         if _sha(data) != digest:
@@ -169,14 +155,10 @@ class OciRemote(ObjectNames):
             where = start.headers.get("Location", "")
             if start.status_code != 202 or not where:
                 raise RemoteError(f"{self.url}: blob upload refused: HTTP {start.status_code}")
-            if where.startswith("/"):
-                where = f"{'http' if self.insecure else 'https'}://{self.host}{where}"
+            where = self.http.absolute(where)
             sep = "&" if "?" in where else "?"
-            try:
-                done = self.registry.session.put(f"{where}{sep}digest={digest}", data=data, timeout=600,
-                                                 headers={"Content-Type": "application/octet-stream"})
-            except Exception as e:  # noqa: BLE001 - one line naming the registry
-                raise RemoteError(f"{self.url}: blob upload failed ({e})") from None
+            done = self._request("blob upload", "PUT", f"{where}{sep}digest={digest}", timeout=600,
+                                 data=data, headers={"Content-Type": "application/octet-stream"})
             if done.status_code != 201:
                 raise RemoteError(f"{self.url}: blob upload failed: HTTP {done.status_code}")
         return {"mediaType": media_type, "digest": digest, "size": len(data)}
@@ -243,6 +225,7 @@ class OciRemote(ObjectNames):
             raise MissingObject(f"{self.url}: {name} is named by no layer of the entry's manifest")
         r = self._request(f"GET blob {digest[:16]}", "GET", f"blobs/{layer[0]}", stream=True)
         if r.status_code != 200:
+            r.close()
             raise MissingObject(f"{self.url}: the layer of blob {digest[:16]}… is missing "
                                 f"(HTTP {r.status_code})")
         return cast(BinaryIO, DigestChecked(r.raw, layer[0], layer[1], self.url)), layer[1]
@@ -340,15 +323,21 @@ class OciRemote(ObjectNames):
         if kind == "entries":
             found = self._manifest(rest[: -len(".json")])
             if found is not None:
-                self._request("DELETE manifest", "DELETE", f"manifests/{found[1]}")
+                self._deleted("DELETE manifest", f"manifests/{found[1]}")
         elif kind == "blobs" and rest in self._layers:
-            self._request("DELETE blob", "DELETE", f"blobs/{self._layers.pop(rest)[0]}")
+            self._deleted("DELETE blob", f"blobs/{self._layers.pop(rest)[0]}")
         elif kind == "signatures":
             key, _, public = rest.partition("/")
             found = self._manifest(key)
             if found is not None and SIGNATURE_NOTE + public in found[0].get("annotations", {}):
                 del found[0]["annotations"][SIGNATURE_NOTE + public]
                 self._retag(key, found[0])
+
+    def _deleted(self, what: str, path: str) -> None:
+        status = self._request(what, "DELETE", path).status_code
+        if status not in (200, 202, 404):  # Distribution answers 405 when deletes are off
+            raise RemoteError(f"{self.url}: {what} refused: HTTP {status}"
+                              + (" (this registry has deletion disabled)" if status == 405 else ""))
 
     def list(self, prefix: str) -> Iterator[Any]:
         """The objects under ``prefix``: entries (the key tags), the blobs of the entries read
@@ -374,12 +363,25 @@ class OciRemote(ObjectNames):
                     yield RemoteObject(f"signatures/{key}/{note[len(SIGNATURE_NOTE):]}", len(sig), 0.0)
 
     def _tags(self) -> builtins.list[str]:
-        r = self._request("list tags", "GET", "tags/list")
-        if r.status_code == 404:
-            return []
-        if r.status_code != 200:
-            raise RemoteError(f"{self.url}: listing tags failed: HTTP {r.status_code}")
-        try:
-            return [str(t) for t in r.json().get("tags") or []]
-        except ValueError:
-            raise RemoteError(f"{self.url}: the registry's tag list is not JSON") from None
+        """Every tag of the repository, following the registry's pages (``Link: <…>; rel=next``),
+        each page read up to :data:`MAX_RECORD` bytes."""
+        tags: builtins.list[str] = []
+        path = f"tags/list?n={TAG_PAGE}"
+        for _page in range(10_000):
+            r = self._request("list tags", "GET", path, stream=True)
+            if r.status_code != 200:
+                r.close()
+                if r.status_code == 404:
+                    return tags
+                raise RemoteError(f"{self.url}: listing tags failed: HTTP {r.status_code}")
+            raw = self._read(r, MAX_RECORD, "list tags")
+            try:
+                page = json.loads(raw) if len(raw) <= MAX_RECORD else None
+                tags += [str(t) for t in (page.get("tags") or [])]  # type: ignore[union-attr]  # None: caught
+            except (ValueError, AttributeError, TypeError):
+                raise RemoteError(f"{self.url}: the registry's tag list is not a JSON tag list") from None
+            link = r.links.get("next", {}).get("url")
+            if not link:
+                return tags
+            path = self.http.absolute(link)
+        raise RemoteError(f"{self.url}: the registry's tag list does not end")
