@@ -107,6 +107,83 @@ def test_the_heartbeat_keeps_a_long_compile_s_lease_alive(s3) -> None:
     assert first is not None and last is not None and last.expires > first.expires
 
 
+class _Faulty(S3Remote):
+    """The real S3 remote with one kind of trouble on the lease prefix (what a busy bucket or a
+    narrow IAM role does): ``fail`` — every lease call raises as a 503 SlowDown would;
+    ``lose_answer`` — a create reaches the bucket but its answer is lost (the client's retry is
+    refused: False); ``no_delete`` — deletes under leases/ are silently dropped."""
+
+    def __init__(self, url: str, fault: str) -> None:
+        super().__init__(url)
+        self.fault = fault
+
+    def _ours(self, name: str) -> bool:
+        return name.startswith(("leases/", "lease-probes/"))
+
+    def get_bytes(self, name: str, *a, **kw):  # type: ignore[no-untyped-def, override]
+        if self.fault == "fail" and name.startswith("leases/"):
+            from aotc.errors import RemoteError
+
+            raise RemoteError(f"GET {name} failed: SlowDown (503)")
+        return super().get_bytes(name, *a, **kw)
+
+    def put(self, name: str, body, if_absent: bool = False, strict: bool = False):  # type: ignore[no-untyped-def, override]
+        done = super().put(name, body, if_absent=if_absent, strict=strict)
+        if self.fault == "lose_answer" and if_absent and name.startswith("leases/"):
+            return False
+        return done
+
+    def delete(self, name: str) -> None:
+        if self.fault == "no_delete" and name.startswith("leases/"):
+            return
+        if self.fault == "deny_delete" and self._ours(name):
+            from aotc.errors import RemoteError
+
+            raise RemoteError(f"DELETE {name}: AccessDenied")
+        super().delete(name)
+
+
+def test_a_lease_the_remote_fails_means_compiling_here_not_a_failed_call(s3, caplog) -> None:
+    remote = _Faulty(f"s3://{s3()}/fleet", "fail")
+    alive = LeaseInfo("other-host:42:abcd", time.time(), time.time() + 3600, "toy")
+    S3Remote(remote.url).put("leases/k5.json", alive.to_bytes())
+    got = single_flight(remote, "k5", "toy", lambda: None, lambda: "mine", ttl=10, max_wait=60, poll=0.1)
+    assert got == "mine"
+    assert any("compile lease for toy" in r.getMessage() and "compiling here" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_create_whose_answer_was_lost_is_still_ours(s3) -> None:
+    remote = _Faulty(f"s3://{s3()}/fleet", "lose_answer")
+    t = time.monotonic()
+    assert single_flight(remote, "k6", "toy", lambda: None, lambda: "mine", ttl=10, max_wait=60) == "mine"
+    assert time.monotonic() - t < 5  # never waited on its own lease
+    assert list(remote.list("leases/")) == []  # and released it
+
+
+def test_a_lease_that_cannot_be_removed_never_holds_a_waiter_past_its_bound(s3) -> None:
+    remote = _Faulty(f"s3://{s3()}/fleet", "no_delete")
+    dead = LeaseInfo("gone:1:dead", time.time() - 100, time.time() - 1, "toy")
+    remote.put("leases/k7.json", dead.to_bytes())
+    t = time.monotonic()
+    assert single_flight(remote, "k7", "toy", lambda: None, lambda: "mine", ttl=10, max_wait=1.0,
+                         poll=0.1) == "mine"
+    assert time.monotonic() - t < 10
+
+
+def test_credentials_that_cannot_delete_mean_no_leases_asked_again_later(s3, caplog, monkeypatch) -> None:
+    from aotc.fleet import lease
+
+    remote = _Faulty(f"s3://{s3()}/fleet", "deny_delete")
+    assert not conditional_writes(remote)
+    assert any("no compile leases" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(lease, "_RETRY_PROBE", 0.0)
+    lease._SUPPORT.pop(remote.url)
+    assert not conditional_writes(remote)  # asked again (the answer held for 0 s) …
+    remote.fault = ""
+    assert conditional_writes(remote)  # … and once the remote allows it, leases are on
+
+
 def _compile_proc(manifest: Path, store: Path, url: str, tmp: Path, name: str,
                   **env: str) -> subprocess.Popen:
     d = tmp / name

@@ -34,7 +34,10 @@ __all__ = ["LeaseInfo", "conditional_writes", "single_flight", "wait_for_holder"
 
 T = TypeVar("T")
 _LOG = logger("lease")
-_SUPPORT: dict[str, bool] = {}  # remote URL -> conditional writes honoured (probed once)
+# remote URL -> (conditional writes honoured, until when that answer holds: a remote that could
+# not be written is asked again after a while — a network blip must not turn leases off for good)
+_SUPPORT: dict[str, tuple[bool, float]] = {}
+_RETRY_PROBE = 300.0
 
 
 @dataclass(frozen=True)
@@ -67,25 +70,28 @@ def _name(lease_id: str) -> str:
 
 
 def conditional_writes(remote: Any) -> bool:
-    """Whether the remote honours conditional creates (probed once per URL: create an object
-    twice with ``If-None-Match: *``; the second must be refused)."""
-    if remote.url not in _SUPPORT:
+    """Whether the remote honours conditional creates and deletes (probed once per URL: create
+    an object twice with ``If-None-Match: *`` — the second must be refused — then delete it: a
+    dead holder's lease is taken over by deleting it)."""
+    known = _SUPPORT.get(remote.url)
+    if known is None or time.monotonic() > known[1]:
         from aotc.errors import RemoteError
 
         probe = f"lease-probes/{uuid.uuid4().hex}"  # outside leases/: never mistaken for one
-        ok, why = False, "does not honour conditional writes"
+        ok, why, until = False, "does not honour conditional writes", float("inf")
         try:
             first = remote.put(probe, b"", if_absent=True, strict=True)
             second = remote.put(probe, b"", if_absent=True, strict=True)
             ok = first is True and second is False
-            remote.delete(probe)
-        except RemoteError as e:  # read-only credentials, say: no leases, never a failed start
-            why = f"cannot be written ({e})"
-        _SUPPORT[remote.url] = ok
+            if first is True:
+                remote.delete(probe)
+        except RemoteError as e:  # read-only (or no-delete) credentials: no leases, never a failed start
+            ok, why, until = False, f"cannot be written or deleted in ({e})", time.monotonic() + _RETRY_PROBE
+        _SUPPORT[remote.url] = (ok, until)
         if not ok:
             _LOG.warning("aotc: %s %s: no compile leases, each process that misses compiles "
                          "(as before)", remote.url, why)
-    return _SUPPORT[remote.url]
+    return _SUPPORT[remote.url][0]
 
 
 class _Held:
@@ -104,6 +110,8 @@ class _Held:
                 if now is None or now.owner != self.info.owner:
                     _LOG.warning("aotc: the compile lease for %s was taken over (by %s); compiling on",
                                  self.info.what, now.owner if now else "nobody")
+                    return
+                if self._stop.is_set():  # released meanwhile: never put a lease back
                     return
                 self.info = LeaseInfo(self.info.owner, self.info.since, time.time() + self.ttl, self.info.what)
                 self.remote.put(self.name, self.info.to_bytes())
@@ -126,12 +134,20 @@ def _owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _try_take(remote: Any, lease_id: str, what: str, ttl: float) -> _Held | None:
+def _try_take(remote: Any, lease_id: str, what: str,
+              ttl: float) -> tuple[_Held | None, LeaseInfo | None]:
+    """(the lease, created with a conditional write; None when another holds it, or nobody by
+    now) and (who holds it then). A create that reached the remote but whose answer was lost
+    (the client's retry then sees its own object and is refused) is recognised by its owner:
+    never wait on one's own lease."""
     now = time.time()
     info = LeaseInfo(_owner(), now, now + ttl, what)
     if remote.put(_name(lease_id), info.to_bytes(), if_absent=True):
-        return _Held(remote, lease_id, info, ttl)
-    return None
+        return _Held(remote, lease_id, info, ttl), None
+    there = LeaseInfo.parse(remote.get_bytes(_name(lease_id)))
+    if there is not None and there.owner == info.owner:
+        return _Held(remote, lease_id, info, ttl), None
+    return None, there
 
 
 def single_flight(remote: Any, lease_id: str, what: str, fetch: Callable[[], T | None],
@@ -141,32 +157,39 @@ def single_flight(remote: Any, lease_id: str, what: str, fetch: Callable[[], T |
     (compile and push) — under the remote's compile lease ``lease_id`` so that only one process
     builds at a time (module doc). ``what`` names the work in messages; ``say`` gets the waiting
     lines (default: the ``aotc.lease`` logger at info)."""
+    from aotc.errors import RemoteError
+
     now_and_then = _NowAndThen(say or _LOG.info)
     if not conditional_writes(remote):
         got = fetch()
         return got if got is not None else build()
-    deadline = time.monotonic() + max_wait
+    start = time.monotonic()
+    holder: LeaseInfo | None = None
     while True:
+        if time.monotonic() - start > max_wait:  # checked on every round, whatever it met
+            _LOG.warning("aotc: waited %.0fs for %s to compile %s; compiling here",
+                         time.monotonic() - start, holder.owner if holder else "another process", what)
+            return build()
         got = fetch()
         if got is not None:
             return got
-        held = _try_take(remote, lease_id, what, ttl)
+        try:  # the lease's own calls: a remote failing them means no lease, never a failed call
+            held, holder = _try_take(remote, lease_id, what, ttl)
+            if holder is not None and holder.expires < time.time():
+                _take_over(remote, lease_id, holder)
+                continue
+        except RemoteError as e:
+            _LOG.warning("aotc: the compile lease for %s in %s failed (%s); compiling here", what,
+                         remote.url, e)
+            return build()
         if held is not None:
             try:
                 got = fetch()  # stored between our look and our lease: nothing to build
                 return got if got is not None else build()
             finally:
                 held.release()
-        holder = LeaseInfo.parse(remote.get_bytes(_name(lease_id)))
         if holder is None:
             continue  # released just now: look again, then take it
-        if holder.expires < time.time():
-            _take_over(remote, lease_id, holder)
-            continue
-        if time.monotonic() > deadline:
-            _LOG.warning("aotc: waited %.0fs for %s to compile %s (its lease since %s); compiling "
-                         "here", max_wait, holder.owner, what, _clock(holder.since))
-            return build()
         now_and_then(f"aotc: {holder.owner} is compiling {what} since {_clock(holder.since)} (its "
                      f"lease expires in {holder.expires - time.time():.0f}s unless renewed); waiting for it")
         time.sleep(poll)
@@ -179,18 +202,24 @@ def wait_for_holder(remote: Any, lease_id: str, what: str, fetch: Callable[[], T
     holds a live compile lease ``lease_id``, wait (bounded by ``max_wait``) and ``fetch()`` the
     entry as soon as it is there. None when nobody holds the lease, it expired or was released
     without the entry, or the bound passed."""
+    from aotc.errors import RemoteError
+
     now_and_then = _NowAndThen(say or _LOG.info)
     deadline = time.monotonic() + max_wait
     while True:
-        holder = LeaseInfo.parse(remote.get_bytes(_name(lease_id)))
+        try:
+            holder = LeaseInfo.parse(remote.get_bytes(_name(lease_id)))
+        except RemoteError as e:  # the lease cannot be read: no wait, the caller's miss stands
+            _LOG.warning("aotc: the compile lease for %s in %s cannot be read (%s)", what, remote.url, e)
+            return None
         if holder is None or holder.expires < time.time():
             return fetch()  # one last look: it may have been pushed just before the release
         got = fetch()
         if got is not None:
             return got
         if time.monotonic() > deadline:
-            _LOG.warning("aotc: waited %.0fs for %s to compile %s; not there yet", max_wait,
-                         holder.owner, what)
+            _LOG.warning("aotc: waited %.0fs for %s to compile %s; not there yet",
+                         max_wait + time.monotonic() - deadline, holder.owner, what)
             return None
         now_and_then(f"aotc: {holder.owner} is compiling {what} since {_clock(holder.since)}; "
                      "waiting to pull it")
