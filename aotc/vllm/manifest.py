@@ -18,7 +18,7 @@ the engine arguments, so the engine has to trace once to know it — a second co
 unchanged manifest starts the engine, finds the entry and compiles nothing.
 
 vLLM's own AOT record of the run (:mod:`aotc.vllm.aot_records`) is stored and pushed with the
-entry, one per process layout in ``vllm.layouts`` — vLLM's hash differs between its default
+entry, one per process layout in ``vllm.layouts`` — vLLM's hash can differ between its default
 layout (``default``: an engine-core and a worker process, as ``vllm serve`` and ``vllm.LLM``
 start) and one process (``in-process``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) — so a new replica
 in that layout starts like a restart. Each layout is one engine start (the first compiles).
