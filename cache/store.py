@@ -287,13 +287,13 @@ class Store:
         try:
             with os.fdopen(fd, "wb") as out:
                 blobio.stream_blob(self.blob_path(ref.digest), ref.digest, ref.size, out.write)
+            os.replace(partial, dest)
         except blobio.BlobCorrupt as exc:
             partial.unlink(missing_ok=True)
             self._corrupt(entry.key, ref, str(exc))
-        except BaseException:
+        except BaseException:  # the rename too: nothing of ours is left beside ``dest``
             partial.unlink(missing_ok=True)
             raise
-        os.replace(partial, dest)
         return dest
 
     def extract_blobs(

@@ -217,19 +217,20 @@ def test_a_failed_write_leaves_no_file_and_temp_names_are_unique(tmp_path: Path)
     is its own, never another's half-written one; a failed write leaves nothing behind."""
     import os
 
-    from aotc.vllm.aot_records import _write_atomic
-
-    target = tmp_path / "c" / "model"
+    store, _keys, _graph = _built(tmp_path)
+    tiered = TieredStore(store)
+    target = RecordPlace(H1, "rank_0_0").path(tmp_path / "node")
     target.mkdir(parents=True)  # a directory where the file goes: the rename fails
     with pytest.raises(OSError):
-        _write_atomic(target, b"record")
+        materialize(tiered, target, "cpu")
     assert list(target.parent.iterdir()) == [target]
     target.rmdir()
     theirs = target.with_name(f".model.aotc-{os.getpid()}.tmp")  # another namespace's writer, same PID
     theirs.write_bytes(b"half of their record")
-    _write_atomic(target, b"one")
-    _write_atomic(target, b"two")
-    assert target.read_bytes() == b"two" and theirs.read_bytes() == b"half of their record"
+    assert materialize(tiered, target, "cpu") == "written"
+    assert materialize(tiered, target, "cpu") == "written"  # over the first: replaced whole
+    assert target.read_bytes() == RECORD_BYTES + b"rank_0_0"
+    assert theirs.read_bytes() == b"half of their record"
     assert sorted(target.parent.iterdir()) == sorted([target, theirs])
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,7 +158,7 @@ def materialize(tiered: Any, path: str | os.PathLike[str], device: str) -> str:
     for graph_key in entry.metadata.get("graph_keys", []):
         graph = tiered.get(str(graph_key))  # pulled through, verified, trust-checked
         enforce(tiered.local, graph, tiered.trusted)
-    _write_atomic(Path(path), tiered.local.read_blob(entry, RECORD_ROLE))
+    tiered.local.extract_blob(entry, RECORD_ROLE, path)  # a private temp file beside it, renamed
     return "written"
 
 
@@ -184,19 +183,5 @@ def materialize_modelinfo(tiered: Any, path: str | os.PathLike[str], module_hash
         ok = False
     if entry.metadata.get("kind") != MODELINFO_ROLE or not ok:
         return f"entry {key[:16]}… is not vLLM's modelinfo for this source"
-    _write_atomic(target, data)
+    tiered.local.extract_blob(entry, MODELINFO_ROLE, target)
     return "written"
-
-
-def _write_atomic(target: Path, data: bytes) -> None:
-    """``data`` at ``target`` all at once: written to a private temp file beside it (a unique
-    name: processes in other PID namespaces may share the cache dir), then renamed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".aotc.tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
