@@ -173,6 +173,11 @@ class Index:
                 " NOT NULL, [signature] TEXT NOT NULL, [time] FLOAT NOT NULL,"
                 " PRIMARY KEY ([key], [public_key]))"
             )
+            conn.execute(  # graphs aotc gave up on (cache/failures.py)
+                "CREATE TABLE IF NOT EXISTS [failures] ([key] TEXT PRIMARY KEY, [name] TEXT NOT NULL,"
+                " [version] TEXT NOT NULL, [reason] TEXT NOT NULL, [time] FLOAT NOT NULL,"
+                " [tries] INTEGER NOT NULL DEFAULT 1)"
+            )
             conn.execute(
                 "INSERT OR IGNORE INTO [meta] ([name], [value]) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),

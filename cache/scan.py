@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotc.cache import workdirs
+from aotc.cache import failures, unpacked, workdirs
+from aotc.cache.failures import Failure
 from aotc.cache.humanize import format_age, format_size
 
 if TYPE_CHECKING:
@@ -80,10 +81,18 @@ class StoreScan:
     hits: int
     misses: int
     warnings: tuple[str, ...]
+    failures: tuple[Failure, ...] = ()  # graphs aotc gave up on (cache/failures.py)
+    # (name, bytes) of each directory under unpacked/ (cache/unpacked.py; counted in size_on_disk)
+    unpacked_dirs: tuple[tuple[str, int], ...] = ()
 
     @property
     def size_on_disk_str(self) -> str:
         return format_size(self.size_on_disk)
+
+    @property
+    def unpacked_size(self) -> int:
+        """Bytes of the entries' unpacked copies (part of ``size_on_disk``)."""
+        return sum(size for _name, size in self.unpacked_dirs)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +100,8 @@ class StoreScan:
             "size_on_disk": self.size_on_disk, "orphan_blobs": list(self.orphan_blobs),
             "stale_tmp_files": list(self.stale_tmp_files), "hits": self.hits,
             "misses": self.misses, "warnings": list(self.warnings),
+            "failures": [asdict(f) for f in self.failures],
+            "unpacked_size": self.unpacked_size, "unpacked_dirs": dict(self.unpacked_dirs),
         }
 
 
@@ -112,7 +123,9 @@ def _tmp_files(store: Store, grace: float) -> list[Path]:
     out = []
     for f in store.tmp_dir.iterdir():
         try:
-            if workdirs.is_workdir(f):  # a compile's checkpoints: garbage once idle that long
+            # a compile's checkpoints, an unpack being staged, a loader's own directory
+            # (cache/unpacked.py): garbage once nobody holds it and it was idle that long
+            if f.is_dir():
                 if workdirs.stale(f, cutoff):
                     out.append(f)
             elif f.stat().st_mtime <= cutoff:
@@ -196,6 +209,8 @@ def scan(store: Store, tmp_grace: float = DEFAULT_TMP_GRACE) -> StoreScan:
             size_on_disk += f.stat().st_size
         except FileNotFoundError:
             continue
+    unpacked_dirs = tuple(sorted(unpacked.sizes(store).items()))
+    size_on_disk += sum(size for _name, size in unpacked_dirs)
     counts = {r["kind"]: r["n"] for r in store.index.query(
         "SELECT kind, COUNT(*) AS n FROM events WHERE kind IN ('hit', 'miss') GROUP BY kind")}
     return StoreScan(
@@ -203,4 +218,5 @@ def scan(store: Store, tmp_grace: float = DEFAULT_TMP_GRACE) -> StoreScan:
         orphan_blobs=tuple(orphans),
         stale_tmp_files=tuple(sorted(f.name for f in _tmp_files(store, tmp_grace))),
         hits=int(counts.get("hit", 0)), misses=int(counts.get("miss", 0)), warnings=tuple(warnings),
+        failures=tuple(failures.failures(store)), unpacked_dirs=unpacked_dirs,
     )

@@ -37,10 +37,23 @@ from aotc._torch.task_result import CompiledPiece
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
 
-__all__ = ["PendingPiece", "build_kernels", "compile_piece", "finish_piece",
+__all__ = ["PendingPiece", "build_kernels", "compile_piece", "finish_piece", "mark_training",
            "piece_cache_key", "start_piece", "static_example_inputs"]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
+_TRAINING = "aotc_training"  # a piece's graph meta: compile it with autograd (forward + backward)
+
+
+def mark_training(gm: torch.fx.GraphModule) -> None:
+    """Compile ``gm`` with autograd: AOTAutograd makes its forward and backward, both compiled
+    and saved in the artifact (else it is compiled for inference, under ``no_grad``)."""
+    gm.meta[_TRAINING] = True
+
+
+def _grad_mode(gm: torch.fx.GraphModule) -> Any:
+    return torch.enable_grad() if gm.meta.get(_TRAINING) else torch.no_grad()
+
+
 def _sc_module() -> Any:
     # ``torch._inductor.standalone_compile`` the attribute is the function; get the module.
     return importlib.import_module("torch._inductor.standalone_compile")
@@ -68,6 +81,8 @@ def static_example_inputs(example_inputs: Sequence[Any], size: int) -> list[Any]
             t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
             if not (v.dtype.is_floating_point or v.dtype.is_complex):
                 t.zero_()
+            elif v.requires_grad:  # a training compile's static artifact takes grads as well
+                t.requires_grad_(True)
             out.append(t)
         elif isinstance(v, torch.SymInt):
             out.append(concrete_size(v, size))
@@ -114,7 +129,22 @@ def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: 
             tgt = "" if n.op in ("placeholder", "output") else str(n.target)
         args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{idx[a]}")
         lines.append(f"{n.op} {tgt} {args!r}")
+        if n.op == "get_attr":  # a subgraph (a cond's branch) or a constant: its content counts
+            lines.append(_attr_text(gm, str(n.target)))
     return "aotc-" + hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _attr_text(gm: torch.fx.GraphModule, target: str) -> str:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    if isinstance(obj, torch.fx.GraphModule):
+        return _fallback_key(obj, [], "subgraph")
+    if isinstance(obj, torch.Tensor):
+        data = obj.detach().cpu().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        return f"tensor {data.dtype} {list(data.shape)} {hashlib.sha256(raw).hexdigest()}"
+    return f"{type(obj).__module__}.{type(obj).__qualname__} {obj!r}"
 
 
 def piece_cache_key(
@@ -140,16 +170,19 @@ def piece_cache_key(
     elif not dynamic and any(_is_symbolic(v) for v in inputs):
         raise ValueError("piece_cache_key(dynamic=False) needs concrete inputs or a size")
     tag = "dynamic" if dynamic else f"static:{[tuple(getattr(v, 'shape', ())) for v in inputs]}"
+    tag += ":training" if gm.meta.get(_TRAINING) else ""
     fn = getattr(_sc_module(), "autograd_cache_key", None)
     if fn is not None and graph_returns_tuple(gm):
-        from torch._inductor.codecache import BypassFxGraphCache as Bypass
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+        from torch._inductor.codecache import BypassFxGraphCache
         mode = "from_graph" if dynamic else "from_example_inputs"
         try:
-            with torch.no_grad(), _config_patch(options):
+            with _grad_mode(gm), _config_patch(options):
                 key = fn(gm, inputs, mode)
             key = key[0] if isinstance(key, tuple) else key
             return f"{key}:{_options_digest(options)}" if options else str(key)
-        except (NotImplementedError, RuntimeError, AssertionError, Bypass):
+        except (NotImplementedError, RuntimeError, AssertionError, BypassFxGraphCache,
+                BypassAOTAutogradCache):
             pass  # e.g. a graph Inductor's key cannot pickle: the structural key below
     return _fallback_key(gm, inputs, tag + json.dumps(options, sort_keys=True, default=str))
 
@@ -286,7 +319,7 @@ def start_piece(
         phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
         timed = _timed_metrics()
         try:
-            with inductor_cache_dir(str(tmp)), torch.no_grad(), _config_patch(options), \
+            with inductor_cache_dir(str(tmp)), _grad_mode(gm), _config_patch(options), \
                     in_process_isa_probes():
                 t = time.perf_counter()
                 with kernel_batch.batched_builds(batch), kernel_checks.guarded_kernel_sources():
@@ -330,8 +363,10 @@ def finish_piece(p: PendingPiece, build_seconds: float = 0.0) -> CompiledPiece:
     vals = p.inputs if p.size is not None else [
         p.real.get(i, v) for i, v in enumerate(static_example_inputs(p.inputs, _CHECK_TOKENS))]
     kernel_root = p.out_dir / "kernels"
-    note = wrapper.record_fast_path(p.art, vals, tmp, files, p.out_dir / "wrapper.json",
-                                    undefined_outputs(p.gm))
+    note = "a training graph: its forward and backward load through AOTAutograd" \
+        if p.gm.meta.get(_TRAINING) else \
+        wrapper.record_fast_path(p.art, vals, tmp, files, p.out_dir / "wrapper.json",
+                                 undefined_outputs(p.gm))
     phases["fast-path check"] = time.perf_counter() - t
     t = time.perf_counter()
     for rel in files:

@@ -29,7 +29,24 @@ from aotc.counters import COUNTERS as _ours
 # ``cpp.vec_isa_ok``: trust the CPU's flags for the vector ISA instead of compiling a test
 # program per ISA (seconds per process) — the ISA is in the key already (``toolchain.vec_isa``);
 # the ISA-extension probes (AVX512-BF16, VNNI, AMX) still run.
-_FIXED_CONFIG: dict[str, Any] = {"cpp_cache_precompile_headers": True, "cpp.vec_isa_ok": True}
+# ``unsafe_marked_cacheable_functions``: higher-order ops whose bodies are subgraph modules of
+# the graph (``cond``'s branches, a loop's body) may be saved by ``standalone_compile``: torch
+# leaves them out of its caches only because it does not vouch for every such op, yet its cache
+# key pickles a graph module with its submodules, so the bodies are keyed (aotc's graph key
+# spells them out as well).
+_SUBGRAPH_OPS = ("cond", "while_loop", "while_loop_stack_output", "map_impl", "scan",
+                 "associative_scan", "wrap", "wrap_with_set_grad_enabled", "wrap_with_autocast",
+                 "hints_wrapper")
+_FIXED_CONFIG: dict[str, Any] = {
+    "cpp_cache_precompile_headers": True, "cpp.vec_isa_ok": True,
+    "unsafe_marked_cacheable_functions": {f"torch.ops.higher_order.{op}": "aotc-subgraph-op"
+                                          for op in _SUBGRAPH_OPS},
+}
+
+
+def cacheable_functions() -> dict[str, str]:
+    """The ``unsafe_marked_cacheable_functions`` aotc compiles with (:data:`_SUBGRAPH_OPS`)."""
+    return dict(_FIXED_CONFIG["unsafe_marked_cacheable_functions"])
 
 
 def _known(config: Any, name: str) -> bool:

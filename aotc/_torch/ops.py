@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["graph_returns_tuple", "mutated_args", "op_name", "op_schema", "undefined_outputs"]
+__all__ = ["graph_returns_tuple", "mutated_args", "op_name", "op_schema", "stable_name", "undefined_outputs"]
 
 
 def op_name(target: Any) -> str | None:
@@ -22,6 +22,38 @@ def op_name(target: Any) -> str | None:
     if isinstance(target, torch._ops.HigherOrderOperator):
         return f"higher_order::{target.name()}"
     return None
+
+
+def stable_name(target: Any) -> str | None:
+    """The name a callable in a graph is spelled by in every process: ``module.name`` when the
+    module holds it under that name (``torch.nn.functional.max_pool2d``, a ``boolean_dispatch``
+    function whose qualname is ``boolean_dispatch.<locals>.fn``), else ``module.qualname``
+    (``<locals>``, ``<lambda>`` included), the inner
+    function of a ``functools.partial`` with ``partial(…)`` around it; None when the callable
+    has no name (a callable object). A name with ``<locals>`` or ``<lambda>`` in it cannot be
+    imported: a saved artifact cannot name such a function."""
+    import functools
+    import importlib
+    import sys
+
+    if isinstance(target, functools.partial):
+        inner = stable_name(target.func)
+        return None if inner is None else f"functools.partial({inner})"
+    mod = getattr(target, "__module__", None) or type(target).__module__
+    name = getattr(target, "__name__", None)
+    qual = getattr(target, "__qualname__", None) or name
+    if not qual or not mod:
+        return None
+    if isinstance(name, str) and "<" not in name:
+        module = sys.modules.get(mod)
+        if module is None:
+            try:
+                module = importlib.import_module(mod)
+            except Exception:  # noqa: BLE001 - a module that cannot be imported: spelled by qualname
+                module = None
+        if module is not None and getattr(module, name, None) is target:
+            return f"{mod}.{name}"
+    return f"{mod}.{qual}"
 
 
 def op_schema(target: Any) -> str:

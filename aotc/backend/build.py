@@ -32,10 +32,10 @@ from aotc.lookup.toolchain import fingerprint
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
 from aotc.records.program import Program, Slot
-from aotc.runtime.checking import NumericReport, compare_outputs, flat_tensors
+from aotc.runtime.checking import Comparison, NumericReport, compare_outputs, flat_tensors, tensor_errors
 from aotc.runtime.graphcall import GraphRunner
 
-__all__ = ["build_entry", "float_dtype", "graph_slots"]
+__all__ = ["build_entry", "computed_float_dtype", "float_dtype", "graph_slots", "is_training"]
 
 
 def graph_slots(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Slot, ...]:
@@ -89,6 +89,45 @@ def float_dtype(example_inputs: Sequence[Any]) -> torch.dtype:
     return torch.float32
 
 
+def _keyed_functions(gm: torch.fx.GraphModule, options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's config patch that lets ``standalone_compile`` save a graph calling Python
+    functions of the user's (``allow_in_graph``, a local function): torch refuses to cache what it
+    cannot key, but the graph's key here holds each such function's code and closure
+    (:mod:`aotc.backend.graphkey`). {} when the graph calls none."""
+    import types
+
+    from aotc._torch.inductor_facts import cacheable_functions
+
+    names = {f"{t.__module__}.{t.__name__}" for n in gm.graph.nodes if n.op == "call_function"
+             for t in [n.target] if isinstance(t, types.FunctionType)
+             and not str(t.__module__).startswith("torch")}
+    if not names:
+        return {}
+    marked = {**cacheable_functions(), **dict(options.get("unsafe_marked_cacheable_functions") or {})}
+    return {"unsafe_marked_cacheable_functions": {**marked, **{n: "aotc-keyed" for n in sorted(names)}}}
+
+
+def is_training(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph is compiled with autograd: Dynamo traced it with grad on and an input
+    (a weight) requires grad — as AOTAutograd decides."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                           for x in example_inputs)
+
+
+def computed_float_dtype(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.dtype:
+    """The least precise floating-point dtype the graph computes in: of its inputs and of every
+    value its nodes make (a bf16 ``autocast`` region in an fp32 model computes in bf16; so does
+    a cast inside the graph). The numeric check's default tolerance is that dtype's."""
+    found = {x.dtype for x in example_inputs if isinstance(x, torch.Tensor)}
+    for node in gm.graph.nodes:
+        val = node.meta.get("example_value", node.meta.get("val"))
+        for v in val if isinstance(val, (tuple, list)) else (val,):
+            if isinstance(v, torch.Tensor):
+                found.add(v.dtype)
+    floats = [d for d in found if d.is_floating_point]
+    return max(floats, key=lambda d: torch.finfo(d).eps, default=torch.float32)
+
+
 def _concrete_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     """The example inputs with each size symbol replaced by its traced value (torch's AOT path
     hands the backend ``SymInt`` examples)."""
@@ -120,7 +159,9 @@ def _at_size(gm: torch.fx.GraphModule, inputs: Sequence[Any], n: int | None) -> 
             shape = [inductor_compile.concrete_size(s, n) for s in val.shape]
             if any(want > have for want, have in zip(shape, x.shape)):
                 return None
-            out.append(x[tuple(slice(0, w) for w in shape)].contiguous())  # strides as at n
+            strides = [inductor_compile.concrete_size(s, n) for s in val.stride()]
+            part = x[tuple(slice(0, w) for w in shape)]  # laid out as the graph says at n:
+            out.append(torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device).copy_(part))
         else:
             out.append(x)
     return out
@@ -144,8 +185,16 @@ def _zeroed_outputs(parts: SplitResult) -> dict[str, list[int]]:
     return out
 
 
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy with ``x``'s strides (``clone`` makes a strided view contiguous): the compiled
+    graph asserts the layout it was traced with."""
+    if x.is_contiguous() or type(x) is not torch.Tensor or 0 in x.stride():
+        return x.clone()  # (a broadcast view cannot be written as itself: a dense copy)
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 def _run(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[int]]) -> tuple[Any, list[Any]]:
-    mine = [x.clone() if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+    mine = [_copy(x) if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
             else x for x in inputs]
 
     def hook(name: str, call: Any, args: Sequence[Any]) -> Any:
@@ -159,6 +208,37 @@ def _run(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[int]])
         return flat_tensors(runner(*mine)), mine
     finally:
         runner.splitting_hook = None
+
+
+def _gradients(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[int]],
+               leaves: list[torch.Tensor]) -> list[Any]:
+    """The gradients of a fixed weighted sum of the program's float outputs w.r.t. ``leaves``."""
+    with torch.enable_grad():
+        outs, _ = _run(runner, inputs, zero)
+        outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outs:
+            return [None] * len(leaves)
+        gen = torch.Generator(device=outs[0].device).manual_seed(0)
+        loss = sum((o.float() * torch.rand(o.shape, generator=gen, device=o.device)).sum() for o in outs)
+        return list(torch.autograd.grad(loss, leaves, allow_unused=True))
+
+
+def _compare_gradients(runner: GraphRunner, reference: GraphRunner, inputs: Sequence[Any],
+                       zero: dict[str, list[int]], atol: float, rtol: float) -> Comparison:
+    """A training graph's gradients (of every input that requires grad: the weights), compiled
+    backward vs the graph's own backward run eagerly."""
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    want = _gradients(reference, inputs, zero, leaves)
+    got = _gradients(runner, inputs, zero, leaves)
+    result = Comparison()
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g is None and w is None:
+            continue
+        abs_err, rel_err, ok = tensor_errors(g, w, atol, rtol)
+        result.max_abs_err, result.max_rel_err = max(result.max_abs_err, abs_err), max(result.max_rel_err, rel_err)
+        if not ok:
+            result.failures.append(f"gradient of input {i}: max abs err {abs_err:.3g}")
+    return result
 
 
 def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
@@ -185,6 +265,9 @@ def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
             got, mine = _run(runner, inputs, zero)
         label = str(traced if n is None else n) if traced is not None else "static"
         report.add(label, compare_outputs(got, want, inputs, mine, theirs, atol, rtol))
+        if runner.program.training:
+            report.add(f"{label} (gradients)", _compare_gradients(runner, reference, inputs, zero,
+                                                                  atol, rtol))
     return report.finish("compiled graph differs from the graph run eagerly",
                          "pass aotc.backend(tolerance=…) or check the model", skipped_sizes=skipped)
 
@@ -200,6 +283,12 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
     isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(device)))
     parts = _with_real_inputs(split(gm, list(ops)), example_inputs)
+    options = {**options, **_keyed_functions(gm, options)}
+    training = is_training(example_inputs)
+    if training:  # AOTAutograd makes each piece's forward and backward: both compiled and stored
+        for p in parts.pieces:
+            if not p.is_splitting:
+                inductor_compile.mark_training(p.gm)
     uid_of: dict[str, str] = {}
     first_of: dict[str, Any] = {}
     for p in parts.pieces:
@@ -217,7 +306,8 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         slots=slots, inputs=(), stitch=encode_graph(parts.stitch),
         pieces=piece_records(parts, uid_of), artifacts=(), kernel_roles={},
         compile_sizes=tuple(sizes if dynamic else ()), capture_sizes=(), max_tokens=0,
-        dynamic_mode="backed" if dynamic else "static", min_dynamic_tokens=1, source_files={})
+        dynamic_mode="backed" if dynamic else "static", min_dynamic_tokens=1, source_files={},
+        training=training)
     eager_pieces = {p.name: p.gm for p in parts.pieces if not p.is_splitting}
 
     def graph_check(prog: Program, by_uid: dict[str, dict[int | None, Any]]) -> dict[str, Any]:

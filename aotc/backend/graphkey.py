@@ -18,7 +18,9 @@ a key that differs from run to run would miss forever, one that ignores a value 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 import operator
 import types
@@ -29,7 +31,7 @@ import torch
 import torch.fx
 
 from aotc._torch import dynamo
-from aotc._torch.ops import op_name, op_schema
+from aotc._torch.ops import op_name, op_schema, stable_name
 from aotc.errors import BackendError
 
 __all__ = ["global_state", "graph_device", "graph_factors", "graph_signature"]
@@ -66,22 +68,46 @@ class _Canon:
         if isinstance(val, torch.SymInt):
             return {"kind": "symbol", "expr": self.size(val)}
         if isinstance(val, torch.Tensor):
-            kind = type(example) if isinstance(example, torch.Tensor) else torch.Tensor
-            sub = None if kind in (torch.Tensor, torch.nn.Parameter) else f"{kind.__module__}.{kind.__qualname__}"
-            if sub is not None and hasattr(example, "__tensor_flatten__"):
-                raise BackendError(f"graph input {node.name!r} is a tensor subclass ({sub}); its "
-                                   "inner state cannot be keyed yet: not supported by the aotc backend")
-            return {"kind": "tensor", "dtype": str(val.dtype).removeprefix("torch."),
-                    "shape": [self.size(d) for d in val.shape],
-                    "stride": [self.size(d) for d in val.stride()],
-                    "device": str(val.device), "param": isinstance(example, torch.nn.Parameter),
-                    "requires_grad": bool(val.requires_grad)}
+            out = self.tensor(val, node.name)
+            out["param"] = isinstance(example, torch.nn.Parameter)
+            if isinstance(example, torch.Tensor) and type(example) not in (torch.Tensor, torch.nn.Parameter):
+                out["subclass"] = self.subclass(example, node.name, 0)
+            return out
         if isinstance(example, (bool, int, float)) and not isinstance(example, torch.SymInt):
             return {"kind": "scalar", "type": type(example).__name__}
         if isinstance(val, (torch.SymFloat, torch.SymBool)):
             return {"kind": "symbol", "type": type(val).__name__, "expr": str(dynamo.symbol_key(val))}
         t = type(example)
         return {"kind": "opaque", "type": f"{t.__module__}.{t.__qualname__}"}
+
+    def tensor(self, val: torch.Tensor, where: str) -> dict[str, Any]:
+        """A tensor's metadata: dtype, shape and strides (size symbols canonical), device."""
+        return {"kind": "tensor", "dtype": str(val.dtype).removeprefix("torch."),
+                "shape": [self.size(d) for d in val.shape],
+                "stride": [self.size(d) for d in val.stride()],
+                "device": str(val.device), "requires_grad": bool(val.requires_grad)}
+
+    def subclass(self, t: torch.Tensor, where: str, depth: int) -> dict[str, Any]:
+        """A tensor subclass input (torchao's quantized weights): its type, the context its
+        ``__tensor_flatten__`` returns (block sizes, dtypes, flags: they shape the code AOTAutograd
+        traces through it) and each inner tensor's metadata, nested subclasses spelled out in
+        turn. The inner tensors' values are inputs, bound at call time, as a weight's are."""
+        kind = type(t)
+        name = f"{kind.__module__}.{kind.__qualname__}"
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is None or depth > 4:
+            raise BackendError(f"graph input {where!r} is a tensor subclass ({name}) that does not "
+                               "flatten (no __tensor_flatten__): not supported by the aotc backend")
+        attrs, ctx = flatten()
+        inner: dict[str, Any] = {}
+        for attr in attrs:
+            value = getattr(t, attr)
+            if not isinstance(value, torch.Tensor):
+                raise BackendError(f"graph input {where!r} ({name}): inner value {attr!r} is not a tensor")
+            inner[attr] = self.tensor(value, where)
+            if type(value) not in (torch.Tensor, torch.nn.Parameter):
+                inner[attr]["subclass"] = self.subclass(value, where, depth + 1)
+        return {"type": name, "ctx": self.const(ctx, where), "inner": inner}
 
     def target(self, node: torch.fx.Node) -> str:
         t = node.target
@@ -98,15 +124,37 @@ class _Canon:
             return name
         if t is operator.getitem:
             return "operator.getitem"
-        mod = getattr(t, "__module__", None) or type(t).__module__
-        qual = getattr(t, "__qualname__", None) or getattr(t, "__name__", None)
-        if not qual or "<" in qual:
+        full = stable_name(t)
+        if full is None or "<" in full:  # a stored artifact names a function it calls by reference
             raise BackendError(f"graph node {node.name!r} calls {t!r}, which has no stable name; "
                                "the graph cannot be keyed (make it a torch op or a module function)")
-        full = f"{mod}.{qual}"
-        if isinstance(t, types.FunctionType) and not mod.startswith(("torch", "operator", "math")):
-            self.functions[full] = _function_digest(t)  # traced into the artifact: its body counts
+        fn = t.func if isinstance(t, functools.partial) else t
+        if isinstance(fn, types.FunctionType) and not full.startswith(("torch.", "operator.", "math.")):
+            # traced into the artifact: its body and closure count
+            digest = self.function_digest(fn, node.name)
+            self.functions[full] = digest
+            full = f"{full}@{digest[:16]}"
+        if isinstance(t, functools.partial):
+            full += json.dumps(self.const([list(t.args), dict(t.keywords)], node.name), sort_keys=True)
         return full
+
+    def function_digest(self, fn: types.FunctionType, where: str) -> str:
+        """sha256 of a Python function's code (bytecode, constants, names; nested code objects
+        too — two lambdas on one line differ) and of the values its closure captured
+        (``boolean_dispatch``'s two functions, a factory's parameters): two closures of one
+        function that capture different values trace into different graphs."""
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                cells.append("<empty>")
+                continue
+            name = stable_name(value) if callable(value) and not isinstance(value, type) else None
+            cells.append(name if name is not None else self.const(value, where))
+        h = hashlib.sha256(_code_text(fn.__code__).encode())
+        h.update(json.dumps(cells, sort_keys=True).encode())
+        return h.hexdigest()
 
     def const(self, a: Any, where: str) -> Any:
         if a is None or isinstance(a, (bool, int, str)):
@@ -138,16 +186,9 @@ class _Canon:
         return {"$repr": f"{type(a).__module__}.{type(a).__qualname__}:{text}"}
 
 
-def _function_digest(fn: Any) -> str:
-    """sha256 of a Python function's source (its bytecode and constants when there is none)."""
-    import inspect
-
-    try:
-        text = inspect.getsource(fn)
-    except (OSError, TypeError):
-        code = fn.__code__
-        text = repr((code.co_code, [c for c in code.co_consts if not hasattr(c, "co_code")]))
-    return hashlib.sha256(text.encode()).hexdigest()
+def _code_text(code: types.CodeType) -> str:
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return repr((code.co_code.hex(), consts, code.co_names, code.co_varnames))
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
@@ -196,6 +237,9 @@ def _refs(a: Any, canon: _Canon, where: str) -> Any:
         return [type(a).__name__, *[_refs(x, canon, where) for x in a]]
     if isinstance(a, dict):
         return {"$dict": [[str(k), _refs(v, canon, where)] for k, v in a.items()]}
+    if isinstance(a, slice):  # x[:, :n] with n a node of the graph
+        return {"$slice": [_refs(a.start, canon, where), _refs(a.stop, canon, where),
+                           _refs(a.step, canon, where)]}
     return canon.const(a, where)
 
 

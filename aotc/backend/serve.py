@@ -9,15 +9,16 @@ rehydrated through the no-Inductor fast path; a miss compiles, checks and stores
 :class:`~aotc.backend.compiled.AotcCompiled`, which torch's and vLLM's AOT paths can save as
 just the key.
 
-The backend compiles for inference: the program runs under ``no_grad`` and its outputs carry no
-autograd graph. It reports through the ``aotc.backend`` logger (:mod:`aotc.log`): one INFO line
+A graph traced with grad on whose inputs (the weights) require grad is compiled for training:
+each piece's forward and backward (AOTAutograd's), both stored; the check compares gradients as
+well as outputs; the program runs under the caller's grad mode. Any other graph is compiled for
+inference and runs under ``no_grad``. It reports through the ``aotc.backend`` logger (:mod:`aotc.log`): one INFO line
 per graph, one WARNING line per fallback or failed push.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -80,13 +81,17 @@ class AotcBackend:
         settings = current()
         configure(settings.log)
         policy = cfg.fallback_for(settings)
-        seen: dict[str, str] = {}  # the graph's key once computed (a fallback's warning names it)
+        seen: dict[str, Any] = {}  # the local store once open, the graph's key once computed
         try:
             return self._serve(gm, example_inputs, cfg, settings, seen)
         except Exception as e:  # noqa: BLE001 - the safety net: any failure serving this graph
             from aotc._torch.dynamo import is_restart
+            from aotc.backend.given_up import remember
 
-            if policy == "error" or is_restart(e):
+            if is_restart(e):
+                raise
+            remember(seen.get("store"), cfg.name, gm, example_inputs, seen.get("key", ""), e)
+            if policy == "error":
                 raise
             return self._fall_back(gm, example_inputs, cfg, settings, policy, e, seen.get("key", ""))
 
@@ -107,8 +112,7 @@ class AotcBackend:
         return inductor_compile(gm, example_inputs, dict(cfg.inductor))
 
     def _serve(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
-               settings: Any, seen: dict[str, str]) -> Any:
-        import torch
+               settings: Any, seen: dict[str, Any]) -> Any:
 
         from aotc.cache import CacheMiss
         from aotc.errors import RemoteError, TrustError
@@ -118,9 +122,7 @@ class AotcBackend:
         t0 = time.perf_counter()
         tiered = open_tiered(cfg.store, cfg.remote, trust_policy(cfg.trust, settings), settings, create=True)
         store, remote = tiered.local, tiered.remote
-        if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs):
-            warnings.warn("aotc compiles for inference: the compiled model runs under no_grad and "
-                          "its outputs carry no autograd graph", stacklevel=2)
+        seen["store"] = store
         if cfg.graphs and _on_cuda(example_inputs):
             _log.info("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not "
                       "captured for torch.compile graphs yet; this graph runs without them")
@@ -128,6 +130,9 @@ class AotcBackend:
         seen["key"] = key
         if store.has(key):
             return self._load(key, tiered, cfg, settings, t0)
+        from aotc.backend.given_up import raise_if_given_up
+
+        raise_if_given_up(store, key)  # tried and failed before: no split, compile or check again
 
         def fetch() -> Any:  # the remote's entry, pulled through; None when it has none
             try:
@@ -171,7 +176,7 @@ class AotcBackend:
                tiered: Any, cfg: BackendConfig, settings: Any, t0: float) -> Any:
         """Compile the graph here, store (and push) it, and load what was stored."""
         from aotc._torch import dynamo
-        from aotc.backend.build import build_entry, float_dtype
+        from aotc.backend.build import build_entry, computed_float_dtype
         from aotc.backend.compiled import AotcCompiled, load_graph_program
         from aotc.cache import StoreReadOnlyError
         from aotc.errors import TrustError
@@ -187,11 +192,14 @@ class AotcBackend:
         if store.read_only:
             raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
         progress = Progress()  # phase lines on the aotc.progress logger
-        atol, rtol = cfg.tolerance_for(float_dtype(example_inputs))
+        atol, rtol = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
         with dynamo.outside_trace():
             meta = build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
                                ops=cfg.ops(settings), sizes=cfg.sizes(settings),
                                options=dict(cfg.inductor), atol=atol, rtol=rtol, progress=progress)
+        from aotc.backend.given_up import forget
+
+        forget(store, key)
         pushed = None
         if remote is not None:
             pushed = _push(store, remote, key)

@@ -95,11 +95,19 @@ def _dense_order(shape: list[int], strides: list[int]) -> list[int] | None:
     return order
 
 
+def _symbolic(val: Any) -> bool:
+    import torch
+
+    return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))
+
+
 def input_layouts(parts: SplitResult, piece: Piece) -> list[list[int] | None] | None:
-    """For each input of compiled ``piece`` that another piece produces, the dense layout
-    Inductor compiled it for (from the traced strides): the runtime hands the piece a copy in
-    that layout when the producer's differs (an Inductor piece or an eager attention op may lay
-    out an output otherwise than the trace did — Phi-3's rotary output, then SDPA's)."""
+    """For each input of compiled ``piece`` that another piece produces, or that is a graph
+    input of dynamic shape, the dense layout Inductor compiled it for (from the traced strides):
+    the runtime hands the piece a copy in that layout when the caller's differs (an Inductor
+    piece or an eager attention op may lay out an output otherwise than the trace did — Phi-3's
+    rotary output, then SDPA's; a caller may pass a view — Dynamo guards no strides of a
+    dynamic input)."""
     import torch
 
     from aotc._torch.dynamo import symint_hint
@@ -111,9 +119,9 @@ def input_layouts(parts: SplitResult, piece: Piece) -> list[list[int] | None] | 
     for i, node in enumerate(placeholders):
         val = node.meta.get("example_value", node.meta.get("val"))
         source = fed[i] if i < len(fed) else None
-        if not isinstance(val, torch.Tensor) or not isinstance(source, torch.fx.Node) \
-                or source.op == "placeholder" or val.dim() < 2:
-            out.append(None)
+        if not isinstance(val, torch.Tensor) or not isinstance(source, torch.fx.Node) or val.dim() < 2 \
+                or source.op == "placeholder" and not _symbolic(val):
+            out.append(None)  # a graph input of fixed shape (a weight): Dynamo guards its layout
             continue
         shape = [symint_hint(s) for s in val.shape]
         strides = [symint_hint(s) for s in val.stride()]

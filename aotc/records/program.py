@@ -73,8 +73,9 @@ class PieceRecord:
     returns_tuple: bool = True  # compiled: the piece graph returns a tuple (else one value;
     # torch < 2.12's split_module has no tuple_return and single outputs come back bare)
     # compiled: per input, the dense layout it was compiled for (dims from outermost to
-    # innermost) when the input comes from another piece; None where the caller's own layout
-    # stands (graph inputs, weights, non-dense views). See aotc.runtime.stitched.PieceCall.
+    # innermost) when the input comes from another piece or is a graph input of dynamic shape;
+    # None where the caller's own layout stands (weights, non-dense views). See
+    # aotc.runtime.stitched.PieceCall.
     layouts: list[list[int] | None] | None = None
 
 
@@ -99,6 +100,9 @@ class Program:
     source_files: dict[str, str]  # relative path -> sha256
     numerics: dict[str, Any] = field(default_factory=dict)
     output: Any = None  # the manifest's model.output: a field / index, a list of them, or None
+    # compiled with autograd (a graph traced with grad on and inputs that require it): pieces
+    # return outputs with a grad_fn and the stitch runs under the caller's grad mode
+    training: bool = False
     format: int = FORMAT_VERSION
 
     @property
@@ -133,7 +137,7 @@ class Program:
                 capture_sizes=tuple(d["capture_sizes"]), max_tokens=int(d["max_tokens"]),
                 dynamic_mode=d["dynamic_mode"], min_dynamic_tokens=int(d["min_dynamic_tokens"]),
                 source_files=dict(d["source_files"]), numerics=dict(d.get("numerics", {})),
-                output=d.get("output"), format=d["format"],
+                output=d.get("output"), training=bool(d.get("training", False)), format=d["format"],
             )
         except LoadError:
             raise

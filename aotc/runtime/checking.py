@@ -42,7 +42,7 @@ def tensor_errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float,
     if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) \
             or got.shape != want.shape:
         return float("inf"), float("inf"), False
-    g, w = got.float(), want.float()
+    g, w = got.detach().float(), want.detach().float()
     diff = (g - w).abs().nan_to_num(0.0)  # NaN where both are NaN counts as equal (equal_nan)
     abs_err = float(diff.max()) if diff.numel() else 0.0
     rel_err = float((diff / w.abs().clamp_min(1e-12)).max()) if diff.numel() else 0.0
@@ -50,7 +50,13 @@ def tensor_errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float,
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Every element equal, NaN equal to NaN (an uninitialised buffer may hold NaNs)."""
+    """Every element equal, NaN equal to NaN (an uninitialised buffer may hold NaNs); a tensor
+    subclass (a quantized weight) by its inner tensors."""
+    if type(a) not in (torch.Tensor, torch.nn.Parameter) and hasattr(a, "__tensor_flatten__"):
+        attrs, ctx = a.__tensor_flatten__()
+        if type(b) is not type(a) or b.__tensor_flatten__() != (attrs, ctx):  # type: ignore[attr-defined]  # the same subclass
+            return False
+        return all(same(getattr(a, n), getattr(b, n)) for n in attrs)
     return bool(torch.equal(a, b) or (a.dtype.is_floating_point and a.shape == b.shape
                                       and torch.equal(a.nan_to_num(), b.nan_to_num())))
 

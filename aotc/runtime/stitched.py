@@ -174,5 +174,7 @@ class StitchedProgram:
     def run_stitch(self, tokens: int, args: Sequence[Any]) -> Any:
         """The stitch over ``args`` (its placeholders' values), pieces dispatched for ``tokens``."""
         self._local.tokens = tokens
+        if self.program.training:  # autograd through the pieces, as the caller's grad mode says
+            return self._stitch(self._modules, *args)
         with torch.no_grad():
             return self._stitch(self._modules, *args)
