@@ -160,8 +160,11 @@ def _at_size(gm: torch.fx.GraphModule, inputs: Sequence[Any], n: int | None) -> 
             if any(want > have for want, have in zip(shape, x.shape)):
                 return None
             strides = [inductor_compile.concrete_size(s, n) for s in val.stride()]
-            part = x[tuple(slice(0, w) for w in shape)]  # laid out as the graph says at n:
-            out.append(torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device).copy_(part))
+            part = x[tuple(slice(0, w) for w in shape)]  # laid out as the graph says at n
+            if list(part.stride()) == strides or 0 in strides:  # (a broadcast view: as it is)
+                out.append(part)
+            else:
+                out.append(torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device).copy_(part))
         else:
             out.append(x)
     return out
@@ -188,8 +191,10 @@ def _zeroed_outputs(parts: SplitResult) -> dict[str, list[int]]:
 def _copy(x: torch.Tensor) -> torch.Tensor:
     """A copy with ``x``'s strides (``clone`` makes a strided view contiguous): the compiled
     graph asserts the layout it was traced with."""
-    if x.is_contiguous() or type(x) is not torch.Tensor or 0 in x.stride():
-        return x.clone()  # (a broadcast view cannot be written as itself: a dense copy)
+    if 0 in x.stride():
+        return x  # a broadcast view (``expand``): read-only, as eager would refuse a write to it
+    if x.is_contiguous() or type(x) is not torch.Tensor:
+        return x.clone()
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
