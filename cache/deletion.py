@@ -1,5 +1,5 @@
-"""Deleting entries and the blobs no entry uses any more, under the index's write lock (used by
-``Store.delete``, ``gc`` and ``verify --repair``)."""
+"""Deleting entries, the blobs no entry uses any more (under the index's write lock) and the
+entries' unpacked copies (used by ``Store.delete``, ``gc`` and ``verify --repair``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from aotc.cache import blobio
+from aotc.cache import blobio, unpacked
 
 if TYPE_CHECKING:
     from aotc.cache.store import Store
@@ -49,6 +49,7 @@ def delete_entries(store: Store, keys: Iterable[str], idle_before: float | None 
         return 0
     now = time.time()
     digests: list[str] = []
+    deleted: list[str] = []
     with store.index.write() as conn:
         for key in keys:
             if idle_before is not None:
@@ -56,6 +57,7 @@ def delete_entries(store: Store, keys: Iterable[str], idle_before: float | None 
                                    (key,)).fetchone()
                 if row is not None and row[0] is not None and row[0] > idle_before:
                     continue  # in use since the plan was made
+            deleted.append(key)
             digests += [r[0] for r in conn.execute(
                 "SELECT digest FROM entry_blobs WHERE key = ?", (key,))]
             conn.execute("DELETE FROM entry_blobs WHERE key = ?", (key,))
@@ -63,4 +65,6 @@ def delete_entries(store: Store, keys: Iterable[str], idle_before: float | None 
             conn.execute("DELETE FROM entries WHERE key = ?", (key,))
             conn.execute("INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'delete', NULL)",
                          (now, key))
-    return _remove_unreferenced(store, digests)
+    freed = _remove_unreferenced(store, digests)
+    # their unpacked copies (aotc.cache.unpacked) too, but for one a process is loading from: gc's
+    return freed + unpacked.remove(store, [k for k in deleted if blobio.is_digest(k)])

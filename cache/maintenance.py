@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotc.cache import blobio, workdirs
+from aotc.cache import blobio, failures, unpacked, workdirs
 from aotc.cache.deletion import _remove_unreferenced, delete_entries  # noqa: F401 - public here too
 from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
@@ -202,6 +202,8 @@ class GcPlan:
     max_size: int | None
     min_idle: float = DEFAULT_MIN_IDLE
     protected: tuple[EntryInfo, ...] = ()  # over max_size but spared: used within min_idle
+    failures: tuple[str, ...] = ()  # keys of remembered failures: forgotten, so tried again
+    unpacked_dirs: tuple[str, ...] = ()  # unpacked copies to remove (cache/unpacked.py)
 
     def execute(self) -> int:
         """Delete what the plan names; returns the bytes actually freed."""
@@ -212,24 +214,27 @@ class GcPlan:
         rows = self.store.index.query("SELECT digest FROM blobs WHERE digest NOT IN"
                                       " (SELECT digest FROM entry_blobs)")
         freed += _remove_unreferenced(self.store, [r["digest"] for r in rows])
+        for key in self.failures:
+            failures.forget(self.store, key)
         for name in self.tmp_files:
             path = self.store.tmp_dir / name
             try:
-                if workdirs.is_workdir(path):
+                if path.is_dir():  # a compile's work dir, an unpack's staging, a loader's own: if idle
                     freed += workdirs.remove_idle(path)
                     continue
                 freed += path.stat().st_size
                 path.unlink()
             except FileNotFoundError:
                 pass
-        return freed
+        return freed + unpacked.remove(self.store, self.unpacked_dirs)
 
     def to_json(self) -> dict[str, Any]:
         return {"entries": [e.to_json() for e in self.entries],
                 "orphan_blobs": list(self.orphan_blobs), "tmp_files": list(self.tmp_files),
                 "expected_freed_size": self.expected_freed_size, "size_before": self.size_before,
                 "max_size": self.max_size, "min_idle": self.min_idle,
-                "protected": [e.to_json() for e in self.protected]}
+                "protected": [e.to_json() for e in self.protected],
+                "failures_forgotten": list(self.failures), "unpacked_dirs": list(self.unpacked_dirs)}
 
 
 def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAULT_TMP_GRACE,
@@ -249,16 +254,28 @@ def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAUL
     tmp = [store.tmp_dir / n for n in s.stale_tmp_files]
     tmp_size = sum(workdirs.tree_size(p) if p.is_dir() else p.stat().st_size
                    for p in tmp if p.exists())
-    freed = tmp_size + sum(sizes.get(d, 0) for d in s.orphan_blobs)
+    # unpacked copies (cache/unpacked.py) of entries that are gone, and under max_size those of
+    # idle entries (least recently used first) before any entry is evicted: a load re-makes them
+    unpacked_sizes = dict(s.unpacked_dirs)
+    live = {e.key for e in s.entries}
+    drop = [name for name in unpacked_sizes if name not in live]
+    freed = tmp_size + sum(sizes.get(d, 0) for d in s.orphan_blobs) + sum(unpacked_sizes[n] for n in drop)
     victims: list[EntryInfo] = []
     protected: list[EntryInfo] = []
     if max_size is not None:
         users: dict[str, set[str]] = {}
         for r in store.index.query("SELECT key, digest FROM entry_blobs"):
             users.setdefault(r["digest"], set()).add(r["key"])
-        remaining = s.size_on_disk - sum(sizes.get(d, 0) for d in s.orphan_blobs)
+        remaining = s.size_on_disk - (freed - tmp_size)  # blobs and unpacked copies left
         gone: set[str] = set()
         recent = time.time() - min_idle
+        for entry in sorted(s.entries, key=lambda e: (e.last_used, e.created)):
+            if remaining <= max_size:
+                break
+            if entry.key in unpacked_sizes and max(entry.last_used, entry.created) <= recent:
+                drop.append(entry.key)
+                remaining -= unpacked_sizes[entry.key]
+                freed += unpacked_sizes[entry.key]
         for entry in sorted(s.entries, key=lambda e: (e.last_used, e.created)):
             if remaining <= max_size:
                 break
@@ -275,7 +292,8 @@ def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAUL
     return GcPlan(store=store, entries=tuple(victims), orphan_blobs=s.orphan_blobs,
                   tmp_files=s.stale_tmp_files, expected_freed_size=freed,
                   size_before=s.size_on_disk, max_size=max_size, min_idle=min_idle,
-                  protected=tuple(protected))
+                  protected=tuple(protected), failures=tuple(f.key for f in s.failures),
+                  unpacked_dirs=tuple(drop))
 
 
 def parse_size(text: str) -> int:

@@ -14,10 +14,11 @@ import atexit
 import shutil
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotc.cache import CacheMiss, Entry, Store
+from aotc.cache import CacheMiss, Entry, Store, unpacked
 from aotc.errors import LoadError
 from aotc.fleet.tiered import TieredStore, open_tiered
 from aotc.fleet.trust import enforce, trust_policy
@@ -44,7 +45,7 @@ def _remove_workdirs() -> None:
 
 
 def _workdir() -> Path:
-    """A per-process directory for rehydrated artifacts; removed at exit."""
+    """A per-process directory for rehydrated artifacts (a read-only store's); removed at exit."""
     path = Path(tempfile.mkdtemp(prefix="aotc-load-"))
     if not _WORKDIRS:
         atexit.register(_remove_workdirs)
@@ -79,27 +80,57 @@ def _find_entry(manifest: Manifest, tiered: TieredStore, timings: Timings) -> En
                          f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
 
 
+def _extract(entry: Entry, store: Store, files: dict[str, str], held: ExitStack) -> tuple[Path, bool]:
+    """The entry's blobs (role → relative path), verified, under one directory, and whether it is
+    the store's shared unpacked copy (``aotc.cache.unpacked``: extracted once, re-hashed on each
+    use, held until ``held`` closes) — else, for a read-only store, a per-process directory."""
+    got = unpacked.unpack(store, entry, files)
+    if got is not None:
+        held.enter_context(got)
+        return got.path, True
+    work = _workdir()
+    store.extract_blobs(entry, {role: work / rel for role, rel in files.items()})
+    return work, False
+
+
+def _writable_kernels(store: Store, kernels: Path, rels: list[str]) -> Path:
+    """A kernel root of this process's own for Inductor, which writes its regenerated sources into
+    its cache dir and reads them back: those must never land in the shared unpacked copy."""
+    try:
+        return unpacked.private_dir(store, kernels, rels)
+    except OSError:
+        work = _workdir() / "kernels"
+        for rel in rels:
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(kernels / rel, work / rel)
+        return work
+
+
 def rehydrate_entry(entry: Entry, store: Store, timings: Timings, options: dict[str, Any] | None,
                     trusted: frozenset[str] = frozenset(),
                     fast: bool | None = None) -> tuple[Program, dict[str, dict[int | None, Any]]]:
     """An entry's program and its artifacts as callables (by unique piece and size): signature
-    checked under a trust policy, every blob read and verified into a per-process directory,
-    each artifact rehydrated (the fast path where recorded, unless ``fast`` is False)."""
+    checked under a trust policy, every file verified (the store's unpacked copy, or a
+    per-process directory for a read-only store), each artifact rehydrated (the fast path where
+    recorded, unless ``fast`` is False)."""
     t = time.perf_counter()
     enforce(store, entry, trusted)
     program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
-    work = _workdir()
-    kernel_root = work / "kernels"
-    dests = {role: kernel_root / rel for rel, role in program.kernel_roles.items()}
     fast = current().loader != "inductor" if fast is None else fast
+    files = {role: f"kernels/{rel}" for rel, role in program.kernel_roles.items()}
     for a in program.artifacts:
         role = a.wrapper_role if fast and a.wrapper_role else a.role
-        dests[role] = work / "artifacts" / role.replace("/", "_")
-    store.extract_blobs(entry, dests)
-    timings.add("read+verify", time.perf_counter() - t)
-    t = time.perf_counter()
-    by_uid = rehydrate(program, dests, kernel_root, options, fast=fast)
-    timings.add("deserialize", time.perf_counter() - t)
+        files[role] = f"artifacts/{role.replace('/', '_')}"
+    with ExitStack() as held:
+        work, shared = _extract(entry, store, files, held)
+        kernel_root = work / "kernels"
+        if shared and any(not (fast and a.wrapper_role) for a in program.artifacts):
+            kernel_root = _writable_kernels(store, kernel_root, list(program.kernel_roles))
+        dests = {role: work / rel for role, rel in files.items()}
+        timings.add("read+verify", time.perf_counter() - t)
+        t = time.perf_counter()
+        by_uid = rehydrate(program, dests, kernel_root, options, fast=fast)
+        timings.add("deserialize", time.perf_counter() - t)
     return program, by_uid
 
 
