@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from aotc.cache import maintenance
-from aotc.cache.humanize import format_size
+from aotc.cache.humanize import format_age, format_size
 from aotc.cli.common import AppContext, echo_err, guard, pass_app, print_json
 from aotc.cli.options import json_option, trust_option
 
@@ -56,9 +56,16 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
         print_json(s.to_json())
         return
     click.echo(_entry_table(s.entries, verbose) if s.entries else f"store {s.root} is empty")
+    if s.failures:
+        click.echo(f"\ngiven up on ({len(s.failures)}; a new process falls back at once, "
+                   "`aotc gc` forgets them):")
+        click.echo(_table([("NAME", "KEY", "TRIES", "WHEN", "REASON")] + [
+            (f.name, f.key if verbose else f.key[:16], str(f.tries), format_age(f.time),
+             f.reason if verbose else f.reason[:100]) for f in s.failures]))
     click.echo(
         f"\n{len(s.entries)} entries, {s.size_on_disk_str} on disk, {len(s.orphan_blobs)} orphan "
-        f"blobs, {s.hits} hits / {s.misses} misses, {len(s.warnings)} warnings ({s.root})"
+        f"blobs, {s.hits} hits / {s.misses} misses, {len(s.failures)} given up, "
+        f"{len(s.warnings)} warnings ({s.root})"
     )
     _echo_warnings(s.warnings, verbose)
 
@@ -198,6 +205,9 @@ def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: 
         f"{len(plan.entries)} entries, {len(plan.orphan_blobs)} orphan blobs, "
         f"{len(plan.tmp_files)} staging files (store was {format_size(plan.size_before)})"
     )
+    if plan.failures:
+        click.echo(f"{'would forget' if dry_run else 'forgot'} {len(plan.failures)} remembered failures: "
+                   "those graphs are tried again")
     if plan.protected:
         click.echo(f"kept {len(plan.protected)} entries over --max-size that were written or read "
                    f"in the last {plan.min_idle:g}s (--min-idle; a loader may be reading them): "

@@ -61,17 +61,22 @@ class Unsupported(Exception):
 class WrapperCode:
     """A generated wrapper module and what it needs: ``kernels`` maps the digest of each
     C++ kernel's (argtypes, source) to its library (path relative to the kernel root);
-    ``externs`` maps each ``extern_kernels.NAME`` used to a public torch path."""
+    ``externs`` maps each ``extern_kernels.NAME`` used to a public torch path; ``flatten`` maps
+    the position of each tensor-subclass input (a torchao weight) to the inner tensors it is
+    passed as, in AOTAutograd's order (attribute paths, ``a.b`` for a nested subclass)."""
 
     source: str
     kernels: dict[str, str] = field(default_factory=dict)
     externs: dict[str, str] = field(default_factory=dict)
+    flatten: dict[str, list[str]] = field(default_factory=dict)
     format: int = WRAPPER_FORMAT
 
     def to_json(self) -> bytes:
         """Canonical JSON bytes."""
-        return json.dumps({"format": self.format, "source": self.source, "kernels": self.kernels,
-                           "externs": self.externs}, sort_keys=True).encode()
+        d = {"format": self.format, "source": self.source, "kernels": self.kernels, "externs": self.externs}
+        if self.flatten:
+            d["flatten"] = self.flatten
+        return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> WrapperCode:
@@ -80,7 +85,56 @@ class WrapperCode:
         if not isinstance(d, dict) or d.get("format") != WRAPPER_FORMAT:
             raise ValueError(f"wrapper record format {d.get('format') if isinstance(d, dict) else '?'}"
                              f", expected {WRAPPER_FORMAT}")
-        return cls(str(d["source"]), dict(d["kernels"]), dict(d["externs"]))
+        return cls(str(d["source"]), dict(d["kernels"]), dict(d["externs"]),
+                   {str(k): [str(a) for a in v] for k, v in dict(d.get("flatten") or {}).items()})
+
+
+def _is_subclass(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, torch.nn.Parameter) \
+        and hasattr(v, "__tensor_flatten__")
+
+
+def _inner_paths(t: Any, prefix: str = "") -> list[str]:
+    """The attribute paths of a subclass's plain inner tensors, depth first, in the order of its
+    ``__tensor_flatten__`` (AOTAutograd's order of the compiled graph's inputs)."""
+    paths: list[str] = []
+    for attr in t.__tensor_flatten__()[0]:
+        inner = getattr(t, attr)
+        path = f"{prefix}{attr}"
+        if _is_subclass(inner):
+            paths += _inner_paths(inner, path + ".")
+        elif isinstance(inner, torch.Tensor):
+            paths.append(path)
+        else:
+            raise Unsupported(f"a subclass input's inner value {path!r} is not a tensor")
+    return paths
+
+
+def flatten_spec(inputs: Sequence[Any]) -> dict[str, list[str]]:
+    """Per tensor-subclass input (position as text), the inner tensors the compiled code takes
+    in its place; a subclass of symbolic shape (its sizes would be passed too) is unsupported."""
+    spec: dict[str, list[str]] = {}
+    for i, v in enumerate(inputs):
+        if _is_subclass(v):
+            if any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride())):
+                raise Unsupported("a tensor-subclass input of dynamic shape")
+            spec[str(i)] = _inner_paths(v)
+    return spec
+
+
+def _flattened(args: Sequence[Any], spec: dict[int, list[list[str]]]) -> list[Any]:
+    out: list[Any] = []
+    for i, a in enumerate(args):
+        paths = spec.get(i)
+        if paths is None:
+            out.append(a)
+            continue
+        for path in paths:
+            v = a
+            for attr in path:
+                v = getattr(v, attr)
+            out.append(v)
+    return out
 
 
 def _kernel_digest(argtypes: Sequence[str], source: str) -> str:
@@ -277,9 +331,10 @@ def load(code: WrapperCode, kernel_root: Path) -> Callable[..., list[torch.Tenso
 
     scope = _exec(code.source, _shims(kernel, code.externs))
     call = scope["call"]
+    spec = {int(i): [p.split(".") for p in paths] for i, paths in code.flatten.items()}
 
     def run(*args: Any) -> list[torch.Tensor]:
-        out = call(list(args))
+        out = call(_flattened(args, spec) if spec else list(args))
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
     return run
@@ -293,6 +348,8 @@ def same_outputs(a: Sequence[Any], b: Sequence[Any], undefined: frozenset[int] =
     if len(a) != len(b):
         return False
     for i, (x, y) in enumerate(zip(a, b)):
+        if x is y:  # one object on both sides (a subclass weight, passed as it is)
+            continue
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return False
         if not isinstance(x, torch.Tensor):
@@ -308,7 +365,7 @@ def same_outputs(a: Sequence[Any], b: Sequence[Any], undefined: frozenset[int] =
 
 
 def _clone(values: Sequence[Any]) -> list[Any]:
-    return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+    return [v.clone() if isinstance(v, torch.Tensor) and not _is_subclass(v) else v for v in values]
 
 
 def check_values(inputs: Sequence[Any]) -> list[Any]:
@@ -320,7 +377,7 @@ def check_values(inputs: Sequence[Any]) -> list[Any]:
     gen = torch.Generator().manual_seed(0)
     out: list[Any] = []
     for v in inputs:
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v, torch.Tensor) or _is_subclass(v):  # (a subclass: a weight, read only)
             out.append(v)
             continue
         fresh = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
@@ -348,6 +405,7 @@ def record_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any], cache_
     """
     try:
         code = extract(cache_dir, kernel_files)
+        code = WrapperCode(code.source, code.kernels, code.externs, flatten_spec(inputs))
         fast = load(code, cache_dir)
         values = check_values(inputs)
         mine, theirs = _clone(values), values  # one copy: the values are fresh for this check

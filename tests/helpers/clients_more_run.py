@@ -353,6 +353,7 @@ def main() -> None:
         torch._dynamo.reset()
         inductor_config = torch._inductor.config.get_config_copy()  # torchao's quantize_ patches it
         before, hits = COUNTERS.compiles, COUNTERS.cache_hits
+        loads, fast = COUNTERS.loads, COUNTERS.fast_loads
         ind_before = counters_snapshot()["inductor_compiles"]
         start = time.perf_counter()
         try:
@@ -364,6 +365,7 @@ def main() -> None:
             torch._inductor.config.load_config(inductor_config)
         results[case] = {**got, "compiles": COUNTERS.compiles - before,
                          "hits": COUNTERS.cache_hits - hits,
+                         "loads": COUNTERS.loads - loads, "fast_loads": COUNTERS.fast_loads - fast,
                          "inductor_compiles": counters_snapshot()["inductor_compiles"] - ind_before,
                          "seconds": round(time.perf_counter() - start, 2)}
         print(f"clients_more: {case}: {results[case].get('error') or 'ok'} "
