@@ -39,13 +39,14 @@ test-quick: install
 	$(PY) -m pytest -q -m "not slow" tests
 
 # Full side-by-side run (<= 35 min on 2 cores): writes bench/results/latest.{json,md},
-# bench/results/vllm.{json,md}, hf_generate.{json,md} and single_flight.{json,md}
+# bench/results/vllm.{json,md}, hf_generate.{json,md}, single_flight.{json,md} and clients.{json,md}
 bench: install
 	$(PY) -m bench.store
 	$(PY) -m bench.sidebyside
 	$(PY) -m bench.vllm_serving
 	$(PY) -m bench.hf_generate
 	$(PY) -m bench.single_flight
+	$(PY) -m bench.clients --runs 3
 
 # the real vLLM engine side by side (<= 10 min): bench/results/vllm.{json,md}
 bench-vllm: install

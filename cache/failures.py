@@ -4,7 +4,7 @@ A row per key (a graph's store key, or the fingerprint of a graph that could not
 name, the version of aotc's compile code that failed (a new aotc tries again: its row is not
 read), the reason in one line, when, and how many tries. The backend reads it before it splits,
 compiles or checks a graph, and falls back at once naming the reason. ``aotc inspect cache``
-lists the rows, ``aotc gc`` forgets them all (the next process tries again), and a successful
+lists the rows, ``aotc gc`` forgets them all (``GcPlan``) (the next process tries again), and a successful
 put of the key forgets its row.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from aotc.cache.store import Store
 
-__all__ = ["Failure", "failures", "forget", "forget_all", "lookup", "remember"]
+__all__ = ["Failure", "failures", "forget", "lookup", "remember"]
 
 _MAX_REASON = 600
 
@@ -74,13 +74,6 @@ def forget(store: Store, key: str) -> bool:
     if store.read_only or not _has_table(store):
         return False
     return store.index.execute("DELETE FROM [failures] WHERE [key] = ?", (key,)) > 0
-
-
-def forget_all(store: Store) -> int:
-    """Forget every failure: the next process tries each graph again (``aotc gc``)."""
-    if store.read_only or not _has_table(store):
-        return 0
-    return store.index.execute("DELETE FROM [failures]")
 
 
 def _row(r: dict[str, Any]) -> Failure:

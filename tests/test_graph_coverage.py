@@ -230,3 +230,47 @@ def test_failures_are_kept_per_aotc_version(tmp_path: Path) -> None:
     assert found is not None and found.tries == 2 and found.reason == "CompileError: again"
     assert failures.forget(store, "k" * 64) and failures.lookup(store, "k" * 64, "v1") is None
 
+
+
+_FACTOR = 2.0
+
+
+@torch._dynamo.allow_in_graph
+def _times_factor(x, k=1.0):  # reads a module global and has a default: both shape the graph
+    return x * _FACTOR * k
+
+
+def test_a_function_in_the_graph_is_keyed_with_the_globals_and_defaults_it_reads() -> None:
+    global _FACTOR
+    x = torch.randn(4)
+    first = _keys(lambda t: _times_factor(t), x)
+    _FACTOR = 3.0
+    try:
+        other_global = _keys(lambda t: _times_factor(t), x)
+    finally:
+        _FACTOR = 2.0
+    _times_factor.__defaults__ = (5.0,)
+    try:
+        other_default = _keys(lambda t: _times_factor(t), x)
+    finally:
+        _times_factor.__defaults__ = (1.0,)
+    assert len({*first, *other_global, *other_default}) == 3
+
+
+def test_a_failure_is_remembered_per_tolerance_and_never_for_the_machines_errors(tmp_path: Path) -> None:
+    from aotc.backend.given_up import GivenUpBefore, raise_if_given_up, remember
+    from aotc.cache import Store, failures
+    from aotc.errors import CompileError, NumericMismatchError
+
+    store = Store(tmp_path / "s")
+    key = "a" * 64
+    remember(store, "m", None, [], key, NumericMismatchError("differs"), (1e-4, 1e-4))
+    with pytest.raises(GivenUpBefore, match="differs"):
+        raise_if_given_up(store, key, (1e-4, 1e-4))
+    raise_if_given_up(store, key, (1e-2, 1e-2))  # another tolerance: tried again
+    disk = CompileError("Inductor failed")
+    disk.__cause__ = OSError(28, "No space left on device")
+    remember(store, "m", None, [], "b" * 64, disk, None)
+    oom = CompileError("Inductor failed: RuntimeError: CPU out of memory")
+    remember(store, "m", None, [], "c" * 64, oom, None)
+    assert [f.key for f in failures.failures(store)] == [key]

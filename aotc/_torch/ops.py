@@ -33,7 +33,6 @@ def stable_name(target: Any) -> str | None:
     has no name (a callable object). A name with ``<locals>`` or ``<lambda>`` in it cannot be
     imported: a saved artifact cannot name such a function."""
     import functools
-    import importlib
     import sys
 
     if isinstance(target, functools.partial):
@@ -45,12 +44,7 @@ def stable_name(target: Any) -> str | None:
     if not qual or not mod:
         return None
     if isinstance(name, str) and "<" not in name:
-        module = sys.modules.get(mod)
-        if module is None:
-            try:
-                module = importlib.import_module(mod)
-            except Exception:  # noqa: BLE001 - a module that cannot be imported: spelled by qualname
-                module = None
+        module = sys.modules.get(mod)  # (never imported here: a key has no side effects)
         if module is not None and getattr(module, name, None) is target:
             return f"{mod}.{name}"
     return f"{mod}.{qual}"

@@ -38,6 +38,7 @@ import torch
 
 from aotc._torch.kernel_checks import guard_checks
 from aotc._torch.scoped_env import scoped_env
+from aotc._torch.subclass import flatten_spec, flattened, is_subclass
 
 WRAPPER_FORMAT = 1
 # Modules the generated wrapper imports names from, and the names it may import.
@@ -87,54 +88,6 @@ class WrapperCode:
                              f", expected {WRAPPER_FORMAT}")
         return cls(str(d["source"]), dict(d["kernels"]), dict(d["externs"]),
                    {str(k): [str(a) for a in v] for k, v in dict(d.get("flatten") or {}).items()})
-
-
-def _is_subclass(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, torch.nn.Parameter) \
-        and hasattr(v, "__tensor_flatten__")
-
-
-def _inner_paths(t: Any, prefix: str = "") -> list[str]:
-    """The attribute paths of a subclass's plain inner tensors, depth first, in the order of its
-    ``__tensor_flatten__`` (AOTAutograd's order of the compiled graph's inputs)."""
-    paths: list[str] = []
-    for attr in t.__tensor_flatten__()[0]:
-        inner = getattr(t, attr)
-        path = f"{prefix}{attr}"
-        if _is_subclass(inner):
-            paths += _inner_paths(inner, path + ".")
-        elif isinstance(inner, torch.Tensor):
-            paths.append(path)
-        else:
-            raise Unsupported(f"a subclass input's inner value {path!r} is not a tensor")
-    return paths
-
-
-def flatten_spec(inputs: Sequence[Any]) -> dict[str, list[str]]:
-    """Per tensor-subclass input (position as text), the inner tensors the compiled code takes
-    in its place; a subclass of symbolic shape (its sizes would be passed too) is unsupported."""
-    spec: dict[str, list[str]] = {}
-    for i, v in enumerate(inputs):
-        if _is_subclass(v):
-            if any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride())):
-                raise Unsupported("a tensor-subclass input of dynamic shape")
-            spec[str(i)] = _inner_paths(v)
-    return spec
-
-
-def _flattened(args: Sequence[Any], spec: dict[int, list[list[str]]]) -> list[Any]:
-    out: list[Any] = []
-    for i, a in enumerate(args):
-        paths = spec.get(i)
-        if paths is None:
-            out.append(a)
-            continue
-        for path in paths:
-            v = a
-            for attr in path:
-                v = getattr(v, attr)
-            out.append(v)
-    return out
 
 
 def _kernel_digest(argtypes: Sequence[str], source: str) -> str:
@@ -334,7 +287,7 @@ def load(code: WrapperCode, kernel_root: Path) -> Callable[..., list[torch.Tenso
     spec = {int(i): [p.split(".") for p in paths] for i, paths in code.flatten.items()}
 
     def run(*args: Any) -> list[torch.Tensor]:
-        out = call(_flattened(args, spec) if spec else list(args))
+        out = call(flattened(args, spec) if spec else list(args))
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
     return run
@@ -365,7 +318,7 @@ def same_outputs(a: Sequence[Any], b: Sequence[Any], undefined: frozenset[int] =
 
 
 def _clone(values: Sequence[Any]) -> list[Any]:
-    return [v.clone() if isinstance(v, torch.Tensor) and not _is_subclass(v) else v for v in values]
+    return [v.clone() if isinstance(v, torch.Tensor) and not is_subclass(v) else v for v in values]
 
 
 def check_values(inputs: Sequence[Any]) -> list[Any]:
@@ -377,7 +330,7 @@ def check_values(inputs: Sequence[Any]) -> list[Any]:
     gen = torch.Generator().manual_seed(0)
     out: list[Any] = []
     for v in inputs:
-        if not isinstance(v, torch.Tensor) or _is_subclass(v):  # (a subclass: a weight, read only)
+        if not isinstance(v, torch.Tensor) or is_subclass(v):  # (a subclass: a weight, read only)
             out.append(v)
             continue
         fresh = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
@@ -405,7 +358,11 @@ def record_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any], cache_
     """
     try:
         code = extract(cache_dir, kernel_files)
-        code = WrapperCode(code.source, code.kernels, code.externs, flatten_spec(inputs))
+        try:
+            spec = flatten_spec(inputs)
+        except ValueError as e:
+            raise Unsupported(str(e)) from e
+        code = WrapperCode(code.source, code.kernels, code.externs, spec)
         fast = load(code, cache_dir)
         values = check_values(inputs)
         mine, theirs = _clone(values), values  # one copy: the values are fresh for this check

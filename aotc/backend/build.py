@@ -89,22 +89,24 @@ def float_dtype(example_inputs: Sequence[Any]) -> torch.dtype:
     return torch.float32
 
 
-def _keyed_functions(gm: torch.fx.GraphModule, options: dict[str, Any]) -> dict[str, Any]:
+def _keyed_functions(gm: torch.fx.GraphModule, options: dict[str, Any], key: str) -> dict[str, Any]:
     """Inductor's config patch that lets ``standalone_compile`` save a graph calling Python
-    functions of the user's (``allow_in_graph``, a local function): torch refuses to cache what it
-    cannot key, but the graph's key here holds each such function's code and closure
-    (:mod:`aotc.backend.graphkey`). {} when the graph calls none."""
+    functions of the user's (``allow_in_graph``): torch refuses to cache what it cannot key, but
+    the graph's ``key`` holds each such function's code and bound values
+    (:mod:`aotc.backend.graphkey`). Each is marked with that key, which torch's own cache key
+    (and so the pieces' ids: pieces are shared between entries by id) then includes: torch spells
+    such a function by its import path only. {} when the graph calls none."""
     import types
 
     from aotc._torch.inductor_facts import cacheable_functions
 
     names = {f"{t.__module__}.{t.__name__}" for n in gm.graph.nodes if n.op == "call_function"
              for t in [n.target] if isinstance(t, types.FunctionType)
-             and not str(t.__module__).startswith("torch")}
+             and not str(t.__module__).startswith("torch.")}
     if not names:
         return {}
     marked = {**cacheable_functions(), **dict(options.get("unsafe_marked_cacheable_functions") or {})}
-    return {"unsafe_marked_cacheable_functions": {**marked, **{n: "aotc-keyed" for n in sorted(names)}}}
+    return {"unsafe_marked_cacheable_functions": {**marked, **{n: f"aotc-graph-{key}" for n in sorted(names)}}}
 
 
 def is_training(example_inputs: Sequence[Any]) -> bool:
@@ -216,16 +218,18 @@ def _run(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[int]])
 
 
 def _gradients(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[int]],
-               leaves: list[torch.Tensor]) -> list[Any]:
-    """The gradients of a fixed weighted sum of the program's float outputs w.r.t. ``leaves``."""
+               leaves: list[torch.Tensor]) -> tuple[list[bool], list[Any]]:
+    """Which outputs carry a grad_fn, and the gradients of a fixed weighted sum of those
+    outputs w.r.t. ``leaves``."""
     with torch.enable_grad():
         outs, _ = _run(runner, inputs, zero)
-        outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        flags = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+        outs = [o for o, f in zip(outs, flags) if f]
         if not outs:
-            return [None] * len(leaves)
+            return flags, [None] * len(leaves)
         gen = torch.Generator(device=outs[0].device).manual_seed(0)
         loss = sum((o.float() * torch.rand(o.shape, generator=gen, device=o.device)).sum() for o in outs)
-        return list(torch.autograd.grad(loss, leaves, allow_unused=True))
+        return flags, list(torch.autograd.grad(loss, leaves, allow_unused=True))
 
 
 def _compare_gradients(runner: GraphRunner, reference: GraphRunner, inputs: Sequence[Any],
@@ -233,9 +237,11 @@ def _compare_gradients(runner: GraphRunner, reference: GraphRunner, inputs: Sequ
     """A training graph's gradients (of every input that requires grad: the weights), compiled
     backward vs the graph's own backward run eagerly."""
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    want = _gradients(reference, inputs, zero, leaves)
-    got = _gradients(runner, inputs, zero, leaves)
+    want_flags, want = _gradients(reference, inputs, zero, leaves)
+    got_flags, got = _gradients(runner, inputs, zero, leaves)
     result = Comparison()
+    if got_flags != want_flags:
+        result.failures.append(f"outputs with a grad_fn: {got_flags}, eager: {want_flags}")
     for i, (g, w) in enumerate(zip(got, want)):
         if g is None and w is None:
             continue
@@ -288,7 +294,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
     isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(device)))
     parts = _with_real_inputs(split(gm, list(ops)), example_inputs)
-    options = {**options, **_keyed_functions(gm, options)}
+    options = {**options, **_keyed_functions(gm, options, key)}
     training = is_training(example_inputs)
     if training:  # AOTAutograd makes each piece's forward and backward: both compiled and stored
         for p in parts.pieces:

@@ -32,6 +32,7 @@ import torch.fx
 
 from aotc._torch import dynamo
 from aotc._torch.ops import op_name, op_schema, stable_name
+from aotc._torch.subclass import is_subclass
 from aotc.errors import BackendError
 
 __all__ = ["global_state", "graph_device", "graph_factors", "graph_signature"]
@@ -71,7 +72,7 @@ class _Canon:
             out = self.tensor(val, node.name)
             out["param"] = isinstance(example, torch.nn.Parameter)
             if isinstance(example, torch.Tensor) and type(example) not in (torch.Tensor, torch.nn.Parameter):
-                out["subclass"] = self.subclass(example, node.name, 0)
+                out["subclass"] = self.subclass(example, node.name, 0)  # (raises if it cannot flatten)
             return out
         if isinstance(example, (bool, int, float)) and not isinstance(example, torch.SymInt):
             return {"kind": "scalar", "type": type(example).__name__}
@@ -105,9 +106,12 @@ class _Canon:
             if not isinstance(value, torch.Tensor):
                 raise BackendError(f"graph input {where!r} ({name}): inner value {attr!r} is not a tensor")
             inner[attr] = self.tensor(value, where)
-            if type(value) not in (torch.Tensor, torch.nn.Parameter):
+            if is_subclass(value):
                 inner[attr]["subclass"] = self.subclass(value, where, depth + 1)
-        return {"type": name, "ctx": self.const(ctx, where), "inner": inner}
+        # the code AOTAutograd traces through it (its __torch_dispatch__) is the library's: its
+        # version (or its module's source) counts
+        return {"type": name, "ctx": self.const(ctx, where), "inner": inner,
+                "code": _module_fingerprint(kind.__module__)}
 
     def target(self, node: torch.fx.Node) -> str:
         t = node.target
@@ -138,23 +142,43 @@ class _Canon:
             full += json.dumps(self.const([list(t.args), dict(t.keywords)], node.name), sort_keys=True)
         return full
 
-    def function_digest(self, fn: types.FunctionType, where: str) -> str:
+    def function_digest(self, fn: types.FunctionType, where: str, depth: int = 0) -> str:
         """sha256 of a Python function's code (bytecode, constants, names; nested code objects
-        too — two lambdas on one line differ) and of the values its closure captured
-        (``boolean_dispatch``'s two functions, a factory's parameters): two closures of one
-        function that capture different values trace into different graphs."""
+        too — two lambdas on one line differ), its default arguments, the values its closure
+        captured and the globals it reads (``boolean_dispatch``'s two functions, a factory's
+        parameters, a module constant): what changes them changes the traced graph. A
+        function among those values is digested in turn (``functools.wraps`` wrappers unwrapped),
+        a module by name."""
+        import inspect
+
+        fn = inspect.unwrap(fn)
+        seen = {n: fn.__globals__[n] for n in fn.__code__.co_names if n in fn.__globals__}
         cells = []
         for cell in fn.__closure__ or ():
             try:
-                value = cell.cell_contents
+                cells.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 cells.append("<empty>")
-                continue
-            name = stable_name(value) if callable(value) and not isinstance(value, type) else None
-            cells.append(name if name is not None else self.const(value, where))
+        values = [self.bound(v, where, depth) for v in
+                  [*cells, fn.__defaults__, fn.__kwdefaults__, *[seen[n] for n in sorted(seen)]]]
         h = hashlib.sha256(_code_text(fn.__code__).encode())
-        h.update(json.dumps(cells, sort_keys=True).encode())
+        h.update(json.dumps([values, sorted(seen)], sort_keys=True).encode())
         return h.hexdigest()
+
+    def bound(self, value: Any, where: str, depth: int) -> Any:
+        """A value a function binds (a closure cell, a default, a global it reads), spelled for
+        its digest; a callable or module it refers to by its stable name (a user function's
+        body as well, 3 levels deep)."""
+        if isinstance(value, types.ModuleType):
+            return {"$module": value.__name__}
+        if isinstance(value, types.FunctionType) and depth < 3 \
+                and not str(value.__module__).startswith(("torch.", "torch")):
+            return {"$fn": stable_name(value), "digest": self.function_digest(value, where, depth + 1)}
+        if callable(value) and not isinstance(value, (type, torch.Tensor, torch.nn.Module)):
+            name = stable_name(value)
+            if name is not None:
+                return {"$callable": name}
+        return self.const(value, where)  # (an object spelled by its address: unkeyable)
 
     def const(self, a: Any, where: str) -> Any:
         if a is None or isinstance(a, (bool, int, str)):
@@ -184,6 +208,29 @@ class _Canon:
                                f"({type(a).__name__}) with no stable spelling; the graph cannot "
                                "be keyed")
         return {"$repr": f"{type(a).__module__}.{type(a).__qualname__}:{text}"}
+
+
+@functools.lru_cache(maxsize=64)
+def _module_fingerprint(module: str) -> str:
+    """The version of the distribution that provides ``module`` (``torchao 0.18.0``), else the
+    sha256 of the module's source file; "" when neither is known."""
+    import importlib.metadata
+    import sys
+
+    top = module.split(".", 1)[0]
+    for dist in (top, top.replace("_", "-")):  # the usual case: the distribution's own name
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return ""
+    return ""
 
 
 def _code_text(code: types.CodeType) -> str:

@@ -90,7 +90,8 @@ class AotcBackend:
 
             if is_restart(e):
                 raise
-            remember(seen.get("store"), cfg.name, gm, example_inputs, seen.get("key", ""), e)
+            remember(seen.get("store"), cfg.name, gm, example_inputs, seen.get("key", ""), e,
+                     seen.get("tolerance"))
             if policy == "error":
                 raise
             return self._fall_back(gm, example_inputs, cfg, settings, policy, e, seen.get("key", ""))
@@ -130,9 +131,6 @@ class AotcBackend:
         seen["key"] = key
         if store.has(key):
             return self._load(key, tiered, cfg, settings, t0)
-        from aotc.backend.given_up import raise_if_given_up
-
-        raise_if_given_up(store, key)  # tried and failed before: no split, compile or check again
 
         def fetch() -> Any:  # the remote's entry, pulled through; None when it has none
             try:
@@ -142,7 +140,13 @@ class AotcBackend:
             except (RemoteError, TrustError) as e:  # unreachable, damaged or refused
                 raise _NotPulled(e) from e
 
-        def build_here() -> Any:
+        def build_here() -> Any:  # (after the remote: another node may have built it since)
+            from aotc.backend.build import computed_float_dtype
+            from aotc.backend.given_up import raise_if_given_up
+
+            # tried and failed before (with this tolerance): no split, compile or check again
+            seen["tolerance"] = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
+            raise_if_given_up(store, key, seen["tolerance"])
             return self._build(gm, example_inputs, key, factors, tiered, cfg, settings, t0)
 
         if remote is None:

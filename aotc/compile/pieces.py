@@ -95,6 +95,22 @@ def _dense_order(shape: list[int], strides: list[int]) -> list[int] | None:
     return order
 
 
+def _writes_in_place(gm: Any) -> bool:
+    """Whether a piece writes anything in place: an op whose schema says so, an in-place method
+    or function (``mul_``), an item assignment."""
+    import operator
+
+    from aotc._torch.ops import mutated_args
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and (mutated_args(n) or n.target is operator.setitem
+                                        or str(getattr(n.target, "__name__", "")).endswith("_")):
+            return True
+        if n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("_"):
+            return True
+    return False
+
+
 def _symbolic(val: Any) -> bool:
     import torch
 
@@ -116,12 +132,15 @@ def input_layouts(parts: SplitResult, piece: Piece) -> list[list[int] | None] | 
     fed = calls[piece.name].args
     out: list[list[int] | None] = []
     placeholders = [n for n in piece.gm.graph.nodes if n.op == "placeholder"]
+    writes = _writes_in_place(piece.gm)
     for i, node in enumerate(placeholders):
         val = node.meta.get("example_value", node.meta.get("val"))
         source = fed[i] if i < len(fed) else None
         if not isinstance(val, torch.Tensor) or not isinstance(source, torch.fx.Node) or val.dim() < 2 \
-                or source.op == "placeholder" and not _symbolic(val):
-            out.append(None)  # a graph input of fixed shape (a weight): Dynamo guards its layout
+                or source.op == "placeholder" and (not _symbolic(val) or writes):
+            # a graph input of fixed shape (a weight): Dynamo guards its layout; a piece that
+            # writes in place (through a view, maybe): a copy would leave the caller's unwritten
+            out.append(None)
             continue
         shape = [symint_hint(s) for s in val.shape]
         strides = [symint_hint(s) for s in val.stride()]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from aotc._torch.subclass import is_subclass
+
 
 def flat_tensors(out: Any) -> list[Any]:
     """The tensors of a model output, flattened in order (a tensor, or tuples/lists of them)."""
@@ -52,8 +54,8 @@ def tensor_errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float,
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Every element equal, NaN equal to NaN (an uninitialised buffer may hold NaNs); a tensor
     subclass (a quantized weight) by its inner tensors."""
-    if type(a) not in (torch.Tensor, torch.nn.Parameter) and hasattr(a, "__tensor_flatten__"):
-        attrs, ctx = a.__tensor_flatten__()
+    if is_subclass(a):
+        attrs, ctx = a.__tensor_flatten__()  # type: ignore[attr-defined]  # is_subclass checked it
         if type(b) is not type(a) or b.__tensor_flatten__() != (attrs, ctx):  # type: ignore[attr-defined]  # the same subclass
             return False
         return all(same(getattr(a, n), getattr(b, n)) for n in attrs)
