@@ -31,8 +31,9 @@ demo: install
 
 # both cores (pytest-xdist), one test file per worker at a time: a file's session fixtures (a
 # compiled store, a vLLM lab, a server) are built once; tests/conftest.py starts the longest first
+# (--no-loadscope-reorder: else xdist orders the files by their number of tests instead)
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # <= 3 min: everything but the tests marked slow (no model compiles beyond one tiny piece)
 test-quick: install

@@ -7,10 +7,13 @@ model, ``torch.cond``, a torchao int8 Llama, a training step; ``--cases`` picks 
 fresh process per contender: eager (no ``torch.compile``), dynamo-only (``backend="eager"``:
 Dynamo's trace, the floor of every backend), Inductor cold (empty Inductor dir and TMPDIR) and
 warm (the same dirs again), aotc cold (empty store, Inductor dir and TMPDIR) and warm (that store,
-a NEW empty Inductor dir). The figure is the case's seconds in its process (the compiled calls'
-first call dominates: compile or load; the case's eager reference calls take milliseconds), and
-whether aotc served it (its warm run compiled nothing and hit the store). Medians over
-``--runs``. Goal per client: aotc warm ≤ Inductor warm, and ≤ 2 s. Writes ``clients.json``/``.md``.
+a NEW empty Inductor dir). The figure is the case's seconds in its process: building the model
+(and quantizing it: torchao's case), its eager reference calls, and the compiled calls, whose
+first call dominates (compile or load). The eager contender's seconds are the same case without
+``torch.compile``, so a contender's *first-call cost* is its seconds minus eager's. Also whether
+aotc served it (its warm run compiled nothing and hit the store). Medians over ``--runs``.
+Goal per client: aotc warm ≤ Inductor warm, and aotc warm's first-call cost ≤ 2 s (Dynamo's
+trace included: ``dynamo-only`` shows it). Writes ``clients.json``/``.md``.
 """
 
 from __future__ import annotations
@@ -79,26 +82,31 @@ def main() -> None:
             r[c].get("seconds") is not None for r in rounds) else None for c in CONTENDERS}
         warm = rounds[-1]["aotc-warm"]
         served = not warm.get("error") and warm.get("compiles") == 0 and (warm.get("hits") or 0) >= 1
-        aw, iw = med["aotc-warm"], med["inductor-warm"]
+        aw, iw, ea = med["aotc-warm"], med["inductor-warm"], med["eager"]
+        first = None if aw is None or ea is None else round(aw - ea, 2)
         results[case] = {"seconds": med, "served": served, "rounds": rounds,
                          "aotc_warm_over_inductor_warm": None if not (aw and iw) else round(aw / iw, 3),
-                         "goal_met": bool(served and aw is not None and iw is not None
-                                          and aw <= iw and aw <= GOAL_SECONDS)}
+                         "aotc_warm_first_call_cost": first,
+                         "goal_met": bool(served and aw is not None and iw is not None and first is not None
+                                          and aw <= iw and first <= GOAL_SECONDS)}
         print(f"{case}: {json.dumps(med)} served={served}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "clients.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     lines = ["# Clients: warm first call (bench/clients.py)", "",
-             f"Seconds per client in a fresh process (median of {args.runs}); goal: aotc warm ≤ "
-             f"Inductor warm and ≤ {GOAL_SECONDS:g} s, served by aotc (no fallback).", "",
+             f"Seconds per client in a fresh process (median of {args.runs}); first-call cost = a "
+             f"contender's seconds minus eager's. Goal: aotc warm ≤ Inductor warm and its first-call "
+             f"cost ≤ {GOAL_SECONDS:g} s, served by aotc (no fallback).", "",
              "| client | eager | dynamo-only | inductor cold | inductor warm | aotc cold | aotc warm "
-             "| aotc warm / inductor warm | served | goal |", "|" + "---|" * 10]
+             "| aotc warm / inductor warm | aotc warm first-call cost | served | goal |", "|" + "---|" * 11]
     for case, r in results.items():
         s = r["seconds"]
         cells = [f"{s[c]:.2f}" if s[c] is not None else "error" for c in CONTENDERS]
         ratio = r["aotc_warm_over_inductor_warm"]
+        first = r["aotc_warm_first_call_cost"]
         lines.append(f"| {case} | " + " | ".join(cells) + f" | {ratio if ratio is not None else '-'} | "
-                     f"{'yes' if r['served'] else 'NO'} | {'met' if r['goal_met'] else 'not met'} |")
+                     f"{first if first is not None else '-'} | {'yes' if r['served'] else 'NO'} | "
+                     f"{'met' if r['goal_met'] else 'not met'} |")
     (out / "clients.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -183,7 +183,7 @@ _FAILING = textwrap.dedent("""
 """)
 
 
-def _failing_run(tmp_path: Path, store: Path, policy: str = "inductor") -> tuple[dict, str]:
+def _failing_run(tmp_path: Path, store: Path, policy: str = "eager") -> tuple[dict, str]:
     script = tmp_path / "failing.py"
     script.write_text(_FAILING)
     env = {**python_env(), "AOTC_STORE": str(store), "AOTC_FALLBACK": policy}
