@@ -147,7 +147,8 @@ class AotcBackend:
             # tried and failed before (with this tolerance): no split, compile or check again
             seen["tolerance"] = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
             raise_if_given_up(store, key, seen["tolerance"])
-            return self._build(gm, example_inputs, key, factors, tiered, cfg, settings, t0)
+            return self._build(gm, example_inputs, key, factors, tiered, cfg, settings, t0,
+                               seen["tolerance"])
 
         if remote is None:
             return build_here()
@@ -177,10 +178,12 @@ class AotcBackend:
         return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
 
     def _build(self, gm: Any, example_inputs: Sequence[Any], key: str, factors: dict[str, Any],
-               tiered: Any, cfg: BackendConfig, settings: Any, t0: float) -> Any:
-        """Compile the graph here, store (and push) it, and load what was stored."""
+               tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
+               tolerance: tuple[float, float]) -> Any:
+        """Compile the graph here with the check's ``tolerance`` (atol, rtol), store (and push)
+        it, and load what was stored."""
         from aotc._torch import dynamo
-        from aotc.backend.build import build_entry, computed_float_dtype
+        from aotc.backend.build import build_entry
         from aotc.backend.compiled import AotcCompiled, load_graph_program
         from aotc.cache import StoreReadOnlyError
         from aotc.errors import TrustError
@@ -196,7 +199,7 @@ class AotcBackend:
         if store.read_only:
             raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
         progress = Progress()  # phase lines on the aotc.progress logger
-        atol, rtol = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
+        atol, rtol = tolerance
         with dynamo.outside_trace():
             meta = build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
                                ops=cfg.ops(settings), sizes=cfg.sizes(settings),
