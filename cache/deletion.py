@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from aotc.cache import blobio, unpacked
+from aotc.cache import blobio, events, unpacked
 
 if TYPE_CHECKING:
     from aotc.cache.store import Store
@@ -63,8 +63,7 @@ def delete_entries(store: Store, keys: Iterable[str], idle_before: float | None 
             conn.execute("DELETE FROM entry_blobs WHERE key = ?", (key,))
             conn.execute("DELETE FROM signatures WHERE key = ?", (key,))
             conn.execute("DELETE FROM entries WHERE key = ?", (key,))
-            conn.execute("INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'delete', NULL)",
-                         (now, key))
+            events.insert(conn, key, "delete", None, now)
     freed = _remove_unreferenced(store, digests)
     # their unpacked copies (aotc.cache.unpacked) too, but for one a process is loading from: gc's
     return freed + unpacked.remove(store, [k for k in deleted if blobio.is_digest(k)])

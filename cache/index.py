@@ -1,17 +1,18 @@
-"""The sqlite index of the store, kept with sqlite-utils (``sqlite-utils tables index.sqlite`` works).
+"""The sqlite index of the store: plain ``sqlite3``, WAL mode, a busy timeout, one connection per thread.
 
 Tables:
 - ``signatures``: key, public_key (hex), signature (hex) — see ``aotc.fleet.trust``
 - ``entries``: key (pk), name, factors (JSON), metadata (JSON), created, last_used, hits, bad
 - ``blobs``: digest (pk), size (uncompressed), stored_size (compressed, on disk), created
 - ``entry_blobs``: (key, role) pk → digest
-- ``events``: id, time, key, kind ("hit" | "miss" | "put" | "corrupt" | "delete"), detail
+- ``events``: id, time, key, kind ("hit" | "miss" | "put" | "corrupt" | "delete"), detail —
+  the newest rows only (``aotc.cache.events``)
+- ``meta``: name (pk), value (``schema_version``, the hit/miss counts of trimmed events)
+- ``failures``: graphs aotc gave up on (``aotc.cache.failures``)
 
-The tables are sqlite-utils' shape (``sqlite-utils tables index.sqlite`` reads them), and
-:attr:`Index.db` hands out a ``sqlite_utils.Database`` on the same connection for tools; the
-store itself talks plain ``sqlite3`` — sqlite-utils is imported only when ``db`` is asked for
-(importing it costs ~0.1–0.2 s, which every warm start would pay). Write transactions are
-explicit ``BEGIN IMMEDIATE`` … ``COMMIT`` on the same connection.
+Any sqlite client reads it (``sqlite3 index.sqlite .tables``). Write transactions are explicit
+``BEGIN IMMEDIATE`` … ``COMMIT`` on the same connection (a hit's mark and its event are one such
+short transaction: one commit); a miss's event is one autocommitted ``insert``.
 """
 
 from __future__ import annotations
@@ -103,24 +104,12 @@ class Index:
             self._local.conn = conn
         return conn
 
-    @property
-    def db(self) -> Any:
-        """This thread's connection as a ``sqlite_utils.Database`` (for tools; imported here)."""
-        db = getattr(self._local, "db", None)
-        if db is None:
-            import sqlite_utils
-
-            db = sqlite_utils.Database(self.conn)
-            self._local.db = db
-        return db
-
     def close(self) -> None:
         """Close this thread's connection."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
-            self._local.db = None
 
     @contextmanager
     def _translate(self) -> Iterator[None]:
@@ -246,9 +235,15 @@ class Index:
             return [dict(zip(names, row)) for row in cur]
 
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> int:
-        """One autocommitted statement (used for accounting: hits, last use, events); returns
-        the number of rows it changed."""
+        """One autocommitted statement; returns the number of rows it changed."""
         if self.read_only:
             raise StoreReadOnlyError(str(self.path.parent.parent), "record use")
         with self._translate():
             return int(self.conn.execute(sql, params).rowcount)
+
+    def insert(self, sql: str, params: tuple[Any, ...] = ()) -> int:
+        """One autocommitted ``INSERT`` (accounting: events); returns the new row's id."""
+        if self.read_only:
+            raise StoreReadOnlyError(str(self.path.parent.parent), "record use")
+        with self._translate():
+            return int(self.conn.execute(sql, params).lastrowid or 0)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotc.cache import blobio, failures, unpacked, workdirs
+from aotc.cache import blobio, events, failures, unpacked, workdirs
 from aotc.cache.deletion import _remove_unreferenced, delete_entries  # noqa: F401 - public here too
 from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
@@ -216,6 +216,7 @@ class GcPlan:
         freed += _remove_unreferenced(self.store, [r["digest"] for r in rows])
         for key in self.failures:
             failures.forget(self.store, key)
+        events.trim_all(self.store.index)  # the event rows over the cap (a get trims a batch)
         for name in self.tmp_files:
             path = self.store.tmp_dir / name
             try:

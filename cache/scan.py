@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotc.cache import failures, unpacked, workdirs
+from aotc.cache import events, failures, unpacked, workdirs
 from aotc.cache.failures import Failure
 from aotc.cache.humanize import format_age, format_size
 
@@ -211,8 +211,7 @@ def scan(store: Store, tmp_grace: float = DEFAULT_TMP_GRACE) -> StoreScan:
             continue
     unpacked_dirs = tuple(sorted(unpacked.sizes(store).items()))
     size_on_disk += sum(size for _name, size in unpacked_dirs)
-    counts = {r["kind"]: r["n"] for r in store.index.query(
-        "SELECT kind, COUNT(*) AS n FROM events WHERE kind IN ('hit', 'miss') GROUP BY kind")}
+    counts = events.totals(store.index)  # exact, though old event rows are trimmed
     return StoreScan(
         root=str(store.root), entries=tuple(entries), size_on_disk=size_on_disk,
         orphan_blobs=tuple(orphans),

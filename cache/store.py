@@ -9,9 +9,10 @@ Layout (see DESIGN.md "The store")::
 
 Write protocol: every blob is staged in ``tmp/``, fsynced and renamed into ``blobs/``; then one
 sqlite transaction checks that each blob file is still there and adds the entry with its blob
-refs. A crash leaves at most orphan blobs or staging files, never an entry pointing at a missing
-or partial blob. Read protocol: every blob is decompressed and re-hashed; a mismatch marks the
-entry bad and raises ``CorruptedCacheError``.
+refs (and, with a signer, its signature). A crash leaves at most orphan blobs or staging files,
+never an entry pointing at a missing or partial blob (nor, with a signer, one unsigned). Read
+protocol: every blob is decompressed and re-hashed; a mismatch marks the entry bad and raises
+``CorruptedCacheError``.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aotc.cache import blobio
+from aotc.cache import blobio, events
+from aotc.cache.entry import ENTRY_REFS_SQL, BlobRef, Entry, SignFunction, entry_from_rows, signing_payload
 from aotc.cache.errors import CacheMiss, CorruptedCacheError, StoreError, StoreNotFoundError, StoreReadOnlyError
 from aotc.cache.index import Index
+
+__all__ = ["LAYOUT", "BlobRef", "Entry", "SignFunction", "Store"]
 
 LAYOUT = "store-v1"
 CACHEDIR_TAG = (
@@ -36,40 +41,6 @@ CACHEDIR_TAG = (
     "# This file is a cache directory tag created by aotc.\n"
     "# For information about cache directory tags see https://bford.info/cachedir/\n"
 )
-
-
-@dataclass(frozen=True)
-class BlobRef:
-    """One named blob of an entry."""
-
-    role: str
-    digest: str
-    size: int
-    stored_size: int
-
-
-@dataclass(frozen=True)
-class Entry:
-    """An entry as read from the index (its bytes are read on demand, verified)."""
-
-    key: str
-    name: str
-    factors: dict[str, Any] = field(hash=False)
-    metadata: dict[str, Any] = field(hash=False)
-    blobs: Mapping[str, BlobRef] = field(hash=False)
-    created: float = 0.0
-    last_used: float = 0.0
-    hits: int = 0
-
-    @property
-    def size(self) -> int:
-        """Uncompressed bytes of all its blobs."""
-        return sum(b.size for b in self.blobs.values())
-
-    @property
-    def stored_size(self) -> int:
-        """Compressed bytes of all its blobs on disk (shared blobs counted in full)."""
-        return sum(b.stored_size for b in self.blobs.values())
 
 
 def _validate_key(key: object) -> str:
@@ -146,10 +117,27 @@ class Store:
         blobs: Mapping[str, blobio.BlobSource],
         factors: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        sign: SignFunction | None = None,
+        signatures: Mapping[str, str] | None = None,
     ) -> Entry:
-        """Store an entry atomically: blobs (role → bytes or file path) first, the index row last.
+        """Store an entry atomically: blobs (role → bytes or file path) first, the index rows
+        last, in one transaction. Returns the entry as stored.
 
-        Putting a key that exists replaces it (two compiles of one key leave one entry)."""
+        A key that exists (two compiles of one key, a pull of a key held) leaves one entry:
+        - same content (the held entry is not marked bad and maps the same roles to the same
+          digests): the held entry is kept as it is (name, factors, metadata: the signatures it
+          has still verify over the same payload), with its signatures; its last use is renewed.
+        - other content (or the held entry is bad): it is replaced, and its signatures dropped,
+          in the same transaction.
+
+        ``sign``: given ``signing_payload`` of the entry about to be visible (the held one when
+        it is kept), returns ``(public key hex, signature hex)``; that signature is written in
+        the same transaction as the entry (replacing this signer's older one), so the entry is
+        never visible unsigned (it may be called under the write lock: keep it quick). A ``sign``
+        that raises leaves nothing visible (blobs already published are orphans for gc).
+        ``signatures``: signatures made elsewhere over this entry's payload (public key hex →
+        signature hex: what a pull or a bundle import verified), written in the same
+        transaction — when the held record is kept, only if its payload is the same."""
         _validate_key(key)
         if self.read_only:
             raise StoreReadOnlyError(str(self.root), f"store entry {key[:16]}…")
@@ -160,42 +148,74 @@ class Store:
         for role in blobs:
             if not isinstance(role, str) or not role:
                 raise StoreError(f"blob roles must be non-empty strings, got {role!r}")
-        staged: dict[str, blobio.StagedBlob] = {}
-        for role, source in blobs.items():
-            staged[role] = self._publish(source)
+        signed: dict[bytes, tuple[str, str]] = {}
+
+        def signature(entry: Entry) -> tuple[str, str] | None:
+            if sign is None:
+                return None
+            payload = signing_payload(entry)
+            if payload not in signed:
+                got = sign(payload)
+                if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(x, str) for x in got)):
+                    raise StoreError(f"sign must return (public key hex, signature hex), got {got!r}")
+                signed[payload] = got
+            return signed[payload]
+
+        staged = {role: self._publish(source) for role, source in blobs.items()}
         for _attempt in range(3):
-            now = time.time()
+            # the entry as a reader will parse it: its payload is what a signature covers
+            new = Entry(key, name, json.loads(factors_json), json.loads(metadata_json),
+                        {r: BlobRef(r, s.digest, s.size, s.stored_size) for r, s in staged.items()})
+            signature(new)  # before the write lock when the entry is new or replaced
             with self.index.write() as conn:
                 missing = [r for r, s in staged.items() if not self.blob_path(s.digest).exists()]
                 if not missing:
-                    conn.execute("DELETE FROM entry_blobs WHERE key = ?", (key,))
-                    for role, s in staged.items():
-                        conn.execute(
-                            "INSERT OR IGNORE INTO blobs (digest, size, stored_size, created)"
-                            " VALUES (?, ?, ?, ?)",
-                            (s.digest, s.size, s.stored_size, now),
-                        )
-                        conn.execute(
-                            "INSERT INTO entry_blobs (key, role, digest) VALUES (?, ?, ?)",
-                            (key, role, s.digest),
-                        )
-                    conn.execute("DELETE FROM signatures WHERE key = ?", (key,))  # new content
-                    conn.execute(
-                        "INSERT OR REPLACE INTO entries (key, name, factors, metadata, created,"
-                        " last_used, hits, bad, probe) VALUES (?, ?, ?, ?, ?, ?, 0, NULL, ?)",
-                        (key, name, factors_json, metadata_json, now, now, probe),
-                    )
-                    conn.execute(
-                        "INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'put', ?)",
-                        (now, key, name),
-                    )
-                    break
+                    return self._write_entry(conn, new, factors_json, metadata_json, probe, signature,
+                                             dict(signatures or {}))
             # a concurrent gc removed a blob we dedup'ed against: publish it again and retry
             for role in missing:
                 staged[role] = self._publish(blobs[role])
+        raise StoreError(f"could not put entry {key[:16]}…: its blobs kept being collected")
+
+    def _write_entry(self, conn: sqlite3.Connection, new: Entry, factors_json: str,
+                     metadata_json: str, probe: str | None,
+                     signature: Callable[[Entry], tuple[str, str] | None],
+                     premade: dict[str, str]) -> Entry:
+        """``put``'s rows, inside its write transaction (see ``put`` for the rules)."""
+        key, now = new.key, time.time()
+        row, refs = self._rows(key)
+        try:  # a held row marked bad, or garbage, is replaced
+            held = entry_from_rows(key, row, refs) if row is not None and row["bad"] is None else None
+        except (TypeError, ValueError):
+            held = None
+        if held is not None and held.blob_map == new.blob_map:
+            conn.execute("UPDATE entries SET last_used = ? WHERE key = ?", (now, key))
+            stored = replace(held, last_used=now)
         else:
-            raise StoreError(f"could not put entry {key[:16]}…: its blobs kept being collected")
-        return self.get(key, record=False)
+            conn.execute("DELETE FROM entry_blobs WHERE key = ?", (key,))
+            for role, ref in new.blobs.items():
+                conn.execute("INSERT OR IGNORE INTO blobs (digest, size, stored_size, created)"
+                             " VALUES (?, ?, ?, ?)", (ref.digest, ref.size, ref.stored_size, now))
+                conn.execute("INSERT INTO entry_blobs (key, role, digest) VALUES (?, ?, ?)",
+                             (key, role, ref.digest))
+            conn.execute("DELETE FROM signatures WHERE key = ?", (key,))  # they signed other content
+            conn.execute(
+                "INSERT OR REPLACE INTO entries (key, name, factors, metadata, created,"
+                " last_used, hits, bad, probe) VALUES (?, ?, ?, ?, ?, ?, 0, NULL, ?)",
+                (key, new.name, factors_json, metadata_json, now, now, probe),
+            )
+            row, refs = self._rows(key)  # as stored (a blob row may predate this put)
+            assert row is not None  # just written, in this transaction
+            stored = entry_from_rows(key, row, refs)
+        sig = signature(stored)
+        sigs = dict(premade) if premade and signing_payload(stored) == signing_payload(new) else {}
+        if sig is not None:
+            sigs[sig[0]] = sig[1]
+        for public, value in sigs.items():
+            conn.execute("INSERT OR REPLACE INTO signatures (key, public_key, signature, time)"
+                         " VALUES (?, ?, ?, ?)", (key, public, value, now))
+        events.insert(conn, key, "put", new.name, now)
+        return stored
 
     def _publish(self, source: blobio.BlobSource) -> blobio.StagedBlob:
         s = blobio.stage_blob(source, self.tmp_dir)
@@ -218,46 +238,31 @@ class Store:
         a hit (or miss) is counted and the entry's last use is updated. Blob bytes are read with
         ``read_blob`` / ``extract_blob``, which verify them."""
         with self.index.snapshot():  # the row and its refs from one state of the index
-            rows = self.index.query("SELECT * FROM entries WHERE key = ?", (key,))
-            refs = self.index.query(
-                "SELECT eb.role, eb.digest, b.size, b.stored_size FROM entry_blobs eb"
-                " LEFT JOIN blobs b ON b.digest = eb.digest WHERE eb.key = ?",
-                (key,),
-            ) if rows else []
-        if not rows:
+            row, refs = self._rows(key)
+        if row is None:
             if record and not self.read_only:
                 self._event(key, "miss", None)
             raise CacheMiss(key)
-        row = rows[0]
         if row["bad"] is not None:
             raise CorruptedCacheError(key, "entry", "-" * 16, f"marked bad earlier: {row['bad']}")
         try:
-            blobs: dict[str, BlobRef] = {}
-            for ref in refs:
-                if ref["size"] is None or not blobio.is_digest(ref["digest"]):
-                    raise ValueError(f"blob {ref['role']!r} has no valid blob row")
-                blobs[str(ref["role"])] = BlobRef(str(ref["role"]), ref["digest"], int(ref["size"]),
-                                                  int(ref["stored_size"]))
-            factors = json.loads(row["factors"])
-            metadata = json.loads(row["metadata"])
-            if not isinstance(factors, dict) or not isinstance(metadata, dict):
-                raise ValueError("factors/metadata is not a JSON object")
-            entry = Entry(
-                key=key, name=str(row["name"]), factors=factors, metadata=metadata, blobs=blobs,
-                created=float(row["created"]), last_used=float(row["last_used"]),
-                hits=int(row["hits"]),
-            )
+            entry = entry_from_rows(key, row, refs)
         except (TypeError, ValueError) as exc:
             self.mark_bad(key, f"index row is garbage ({exc})")
             raise CorruptedCacheError(key, "entry", "-" * 16, f"index row is garbage ({exc})") from exc
         if record and not self.read_only:  # marks the entry in use: gc spares it (min_idle)
-            changed = self.index.execute(
-                "UPDATE entries SET hits = hits + 1, last_used = ? WHERE key = ?", (time.time(), key)
-            )
-            if not changed:  # evicted between the read above and this mark
-                raise CacheMiss(key)
-            self._event(key, "hit", None)
+            now = time.time()
+            with self.index.write() as conn:  # the mark and its event: one commit, not two
+                if not conn.execute("UPDATE entries SET hits = hits + 1, last_used = ? WHERE key = ?",
+                                    (now, key)).rowcount:  # evicted since the read above
+                    raise CacheMiss(key)
+                events.insert(conn, key, "hit", None, now)
         return entry
+
+    def _rows(self, key: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The ``entries`` row of ``key`` (None) and its blob refs, in the caller's transaction."""
+        rows = self.index.query("SELECT * FROM entries WHERE key = ?", (key,))
+        return (rows[0], self.index.query(ENTRY_REFS_SQL, (key,))) if rows else (None, [])
 
     def read_blob(self, entry: Entry, role: str) -> bytes:
         """The verified uncompressed bytes of one blob of ``entry``."""
@@ -339,8 +344,7 @@ class Store:
                 return False
             cur = conn.execute("UPDATE entries SET bad = ? WHERE key = ?", (reason, key))
             if cur.rowcount:
-                conn.execute("INSERT INTO events (time, key, kind, detail) VALUES (?, ?, 'corrupt', ?)",
-                             (time.time(), key, reason))
+                events.insert(conn, key, "corrupt", reason)
             return bool(cur.rowcount)
 
     def record_miss(self, key: str, detail: str | None = None) -> None:
@@ -348,12 +352,8 @@ class Store:
         self._event(key, "miss", detail)
 
     def _event(self, key: str | None, kind: str, detail: str | None) -> None:
-        if self.read_only:
-            return
-        self.index.execute(
-            "INSERT INTO events (time, key, kind, detail) VALUES (?, ?, ?, ?)",
-            (time.time(), key, kind, detail),
-        )
+        if not self.read_only:
+            events.record(self.index, key, kind, detail)
 
     def delete(self, key: str) -> int:
         """Delete an entry and every blob no other entry uses; returns the bytes freed on disk."""
@@ -364,12 +364,8 @@ class Store:
     # -- signatures (the cryptography is in aotc.fleet.trust; the store keeps the rows) -----------
     @staticmethod
     def signing_payload(entry: Entry) -> bytes:
-        """The bytes a signature covers: the entry's record (key, name, factors, metadata) and
-        every blob's role and digest, as canonical JSON."""
-        record = {"format": 1, "key": entry.key, "name": entry.name, "factors": entry.factors,
-                  "metadata": entry.metadata,
-                  "blobs": {r: b.digest for r, b in sorted(entry.blobs.items())}}
-        return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+        """The bytes a signature covers (``aotc.cache.entry.signing_payload``)."""
+        return signing_payload(entry)
 
     def add_signature(self, key: str, public_key: str, signature: str) -> None:
         """Record ``public_key``'s signature (hex) of entry ``key`` (replacing an older one)."""

@@ -94,11 +94,13 @@ def same_content(store: Store, entry: Entry) -> bool:
     return {r: b.digest for r, b in held.blobs.items()} == {r: b.digest for r, b in entry.blobs.items()}
 
 
-def put_staged(store: Store, entry: Entry, staged: Mapping[str, Path]) -> bool:
-    """``Store.put`` ``entry`` from staged files (digest -> path); False (and nothing kept) when
-    a staged file changed before it was stored."""
+def put_staged(store: Store, entry: Entry, staged: Mapping[str, Path],
+               signatures: Mapping[str, str] | None = None) -> bool:
+    """``Store.put`` ``entry`` from staged files (digest -> path) with its verified
+    ``signatures`` in the same transaction (never visible unsigned); False (and nothing kept)
+    when a staged file changed before it was stored."""
     put = store.put(entry.key, entry.name, {r: staged[b.digest] for r, b in entry.blobs.items()},
-                    factors=entry.factors, metadata=entry.metadata)
+                    factors=entry.factors, metadata=entry.metadata, signatures=signatures)
     if {r: b.digest for r, b in put.blobs.items()} != {r: b.digest for r, b in entry.blobs.items()}:
         store.delete(entry.key)
         return False
