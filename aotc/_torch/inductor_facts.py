@@ -1,19 +1,27 @@
-"""Machine facts from torch's private compile APIs: the toolchain key factors, the values of the
-code-changing Inductor settings, the config aotc always compiles and loads with, and torch's own
-compile counters. Beside :mod:`aotc._torch.inductor_compile` and :mod:`aotc._torch.inductor_load`; these are
-the only modules that touch ``torch._inductor`` / ``torch._dynamo`` internals.
+"""Machine facts from torch's private compile APIs: the toolchain key factors, Inductor's settings
+as they enter the key (its whole portable config minus a deny-list), the config aotc always
+compiles and loads with, and torch's own compile counters. Beside :mod:`aotc._torch.inductor_compile`
+and :mod:`aotc._torch.inductor_load`; these are the only modules that touch ``torch._inductor`` /
+``torch._dynamo`` internals.
 
-Tested on torch 2.13 (CPU); written for 2.11–2.13 (CUDA not yet run), attributes that may be
-missing are feature-checked.
+Tested on torch 2.13 (CPU): ``config_values`` keys 580 Inductor settings + 20 of
+``config_comms``, 42 denied (31 by torch's ``_cache_config_ignore_prefix``, 11 by
+:data:`CONFIG_DENY`). Written for 2.11–2.13 (CUDA and 2.11 not yet run): attributes that may be
+missing are feature-checked (``save_config_portable``'s ``ignore_private_configs``,
+``config_comms``, each of :data:`_KEYED_APART`).
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
+import inspect
+import json
+import math
 import os
 import platform
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,35 +99,145 @@ def _native_march(cxx: str) -> str | None:
     return None
 
 
-# Inductor settings that change generated code, read after the manifest's patches (and any
-# TORCHINDUCTOR_* environment variable) are applied. Cache-location and thread-count settings are
-# left out: they differ per machine and do not change the kernels.
-CONFIG_FACTOR_KEYS = (
-    "max_autotune", "max_autotune_gemm", "max_autotune_pointwise", "coordinate_descent_tuning",
-    "epilogue_fusion", "aggressive_fusion", "freezing", "fallback_random", "cpp_wrapper",
-    "emulate_precision_casts", "size_asserts", "split_reductions", "benchmark_kernel",
-    "cpp.simdlen", "cpp.march", "cpp.min_chunk_size", "cpp.enable_kernel_profile",
-    "triton.cudagraphs", "triton.autotune_pointwise", "triton.unique_kernel_names",
-)
+# Inductor's settings enter the key as its whole portable config, as its own FX graph cache hashes
+# it (``FxGraphHashDetails``): ``save_config_portable(ignore_private_configs=False)`` — every
+# setting but aliases and the prefixes of torch's ``_cache_config_ignore_prefix`` (trace/debug
+# output, ``compile_threads``, ``worker_start_method``, cutlass install dirs, cache switches …) —
+# plus what ``FxGraphHashDetails`` hashes beside it by hand (the custom passes, by their
+# ``uuid()``, and the provenance level), plus ``config_comms`` where torch has it; minus aotc's
+# deny-list :data:`CONFIG_DENY`. A new Inductor setting is keyed the day torch adds it.
+_KEYED_APART = ("pre_grad_custom_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+                "joint_custom_pre_pass", "joint_custom_post_pass", "_pre_fusion_custom_pass",
+                "_fuse_ddp_communication_passes", "trace.provenance_tracking_level")
+_COMMS_MODULE = "torch._inductor.config_comms"  # where torch has it; keyed as "config_comms.NAME"
+
+# Settings torch's portable config keeps that cannot change a kernel and would split the key by
+# machine or run: where files go, how workers log. Matched as a name or a dotted prefix.
+CONFIG_DENY: dict[str, str] = {
+    "global_cache_dir": "a cache location",
+    "rocm.ck_dir": "an install location (absolute path)",
+    "aot_inductor.output_path": "where AOTInductor writes its package",
+    "triton.proton_output_dir": "a profiler's output location",
+    "profile_bandwidth_output": "a profiler's output file",
+    "autoheuristic_log_path": "a log location",
+    "worker_log_path": "a log location",
+    "torchinductor_worker_logpath": "a log location",
+    "worker_suppress_logging": "compile workers' logging",
+    "log_tlparse": "logging",
+    "verbose_progress": "a progress bar",
+}
+
+
+def _compiler_names(cxx: Any) -> Any:
+    """``cpp.cxx`` without install locations: ``(None, "/usr/bin/g++")`` -> ``[None, "g++"]``. The
+    compiler itself is keyed by its version line (the toolchain's ``cxx``)."""
+    if not isinstance(cxx, (list, tuple)):
+        return cxx
+    return [os.path.basename(c) if isinstance(c, str) else c for c in cxx]
+
+
+# Settings whose value is spelled for the key before it is made canonical.
+_SPELLINGS: dict[str, Callable[[Any], Any]] = {"cpp.cxx": _compiler_names}
+
+
+def _denied(name: str) -> bool:
+    return any(name == d or name.startswith(d + ".") for d in CONFIG_DENY)
+
+
+def _read(module: Any, name: str) -> Any:
+    obj = module
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _save_portable(module: Any) -> dict[str, Any]:
+    """``module.save_config_portable`` with the private settings, as ``FxGraphHashDetails``
+    calls it (feature-checked: an older torch without the argument leaves them out)."""
+    save = module.save_config_portable
+    if "ignore_private_configs" in inspect.signature(save).parameters:
+        return dict(save(ignore_private_configs=False))
+    return dict(save())
+
+
+def _comms_settings() -> dict[str, Any]:
+    """``torch._inductor.config_comms``'s portable settings as ``config_comms.NAME`` ({} on a
+    torch without that module)."""
+    try:
+        comms = importlib.import_module(_COMMS_MODULE)
+    except ImportError:
+        return {}
+    if not hasattr(comms, "save_config_portable"):
+        return {}
+    return {f"config_comms.{k}": v for k, v in _save_portable(comms).items()}
+
+
+def _portable_settings() -> dict[str, Any]:
+    """Every setting Inductor's FX graph cache keys, raw, as this process has them now."""
+    from torch._inductor import config
+
+    values = _save_portable(config)
+    values.update({name: _read(config, name) for name in _KEYED_APART if _known(config, name)})
+    values.update(_comms_settings())
+    return values
+
+
+def _uuid_spelling(obj: Any, name: str) -> Any:
+    """An object's ``uuid()`` (a ``CustomGraphPass``'s): Inductor's own spelling of it in its
+    cache key. ``None`` means the object vouches for nothing: a ``TypeError``."""
+    uid = obj.uuid()
+    if uid is None:
+        raise TypeError(f"Inductor setting {name}: {type(obj).__name__}.uuid() returned None, so "
+                        "it has no stable spelling for the key")
+    return {"uuid": uid.hex() if isinstance(uid, bytes) else _canonical(uid, f"{name}.uuid()")}
+
+
+def _canonical(value: Any, name: str) -> Any:
+    """``value`` as JSON-able data that is the same in every process: lists for tuples, sorted
+    lists for sets, ``Module.Class.NAME`` for an enum, ``{"uuid": …}`` for an object with a
+    ``uuid()``. Anything else — a plain function, a class, an object, NaN, an absolute path — is a
+    ``TypeError``: a setting left out of the key is a wrong artifact handed back later."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__module__}.{type(value).__qualname__}.{value.name}"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TypeError(f"Inductor setting {name}: non-finite float {value!r} has no canonical form")
+    if isinstance(value, str) and os.path.isabs(value):
+        raise TypeError(f"Inductor setting {name}: an absolute path ({value!r}) would differ per "
+                        "machine; if it cannot change a kernel add it to CONFIG_DENY")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_canonical(v, name) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, dict):
+        return {_dict_key(k, name): _canonical(v, f"{name}.{k}") for k, v in value.items()}
+    if not isinstance(value, type) and callable(getattr(value, "uuid", None)):
+        return _uuid_spelling(value, name)
+    raise TypeError(f"Inductor setting {name}: {type(value).__name__} ({value!r:.60}) has no stable "
+                    "spelling for the key; give it a uuid() (a CustomGraphPass) or unset it")
+
+
+def _dict_key(key: Any, name: str) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"Inductor setting {name}: mapping key {key!r} is not a string")
+    return key
 
 
 def config_values() -> dict[str, Any]:
-    """The values of the code-changing Inductor settings (``CONFIG_FACTOR_KEYS``) this process
-    would compile with before the manifest's patches: defaults, TORCHINDUCTOR_* variables and
-    aotc's fixed config applied."""
-    from torch._inductor import config
-
-    values: dict[str, Any] = {}
+    """Inductor's settings as this process would compile with them before the manifest's
+    patches — defaults, TORCHINDUCTOR_* variables, in-process changes and aotc's fixed config
+    applied — by name (``"cpp.dynamic_threads"``), canonical and JSON-able: the whole portable
+    config (see :data:`_KEYED_APART`) minus :data:`CONFIG_DENY`. Raises ``TypeError`` on a kept
+    setting whose value has no stable spelling (:func:`_canonical`)."""
     with _config_patch({}):
-        for name in CONFIG_FACTOR_KEYS:
-            obj: Any = config
-            try:
-                for part in name.split("."):
-                    obj = getattr(obj, part)
-            except AttributeError:
-                continue
-            values[name] = obj if isinstance(obj, (bool, int, float, str, type(None))) else repr(obj)
-    return values
+        settings = _portable_settings()
+    return {name: _canonical(_SPELLINGS.get(name, _same)(value), name)
+            for name, value in sorted(settings.items()) if not _denied(name)}
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 _TOOLCHAIN_MEMO: dict[str, dict[str, Any]] = {}

@@ -28,9 +28,12 @@ from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 
 
 def inductor_factors(patches: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """The Inductor part of the key: the manifest's patches, the code-changing settings as this
-    process would compile with them (``values`` with the patches applied), and TORCHINDUCTOR_* /
-    TORCH_COMPILE_* / TORCHDYNAMO_* variables other than locations, thread counts and logging."""
+    """The Inductor part of the key: the manifest's (or backend's) patches as given; every
+    setting this process would compile with — ``values`` (``aotc._torch.inductor_facts.
+    config_values()``: Inductor's whole portable config minus its deny-list, canonical) with the
+    patches of those settings applied; and the TORCHINDUCTOR_* / TORCH_COMPILE_* / TORCHDYNAMO_*
+    variables other than locations, thread counts and logging. A patch of a denied setting only
+    enters ``patches``; a patch value with no canonical form makes the key a ``TypeError``."""
     applied = {**values, **{k: v for k, v in patches.items() if k in values}}
     return {"patches": patches, "values": applied, "env": codegen_env()}
 
