@@ -21,7 +21,7 @@ from tests.conftest import AOTC_CLI, PYTHON, python_env, tiny_manifest
 
 
 def _remote(s3) -> S3Remote:  # type: ignore[no-untyped-def]
-    return S3Remote(f"s3://{s3()}/fleet")
+    return S3Remote(f"s3://{s3()}/fleet", s3.endpoint)
 
 
 def test_the_test_server_honours_conditional_writes(s3) -> None:
@@ -36,7 +36,7 @@ def test_a_remote_that_cannot_be_written_means_no_leases_not_a_failure(s3, caplo
     """Read-only credentials (here: a bucket that does not exist) never fail a start: no
     leases, said once, and the caller builds."""
     s3()  # the server runs
-    remote = S3Remote("s3://no-such-bucket-for-leases/x")
+    remote = S3Remote("s3://no-such-bucket-for-leases/x", s3.endpoint)
     assert not conditional_writes(remote)
     assert single_flight(remote, "k0", "toy", lambda: None, lambda: "built", 10, 10) == "built"
     lines = [r.getMessage() for r in caplog.records if "no compile leases" in r.getMessage()]
@@ -113,8 +113,8 @@ class _Faulty(S3Remote):
     ``lose_answer`` — a create reaches the bucket but its answer is lost (the client's retry is
     refused: False); ``no_delete`` — deletes under leases/ are silently dropped."""
 
-    def __init__(self, url: str, fault: str) -> None:
-        super().__init__(url)
+    def __init__(self, s3, url: str, fault: str) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(url, s3.endpoint)
         self.fault = fault
 
     def _ours(self, name: str) -> bool:
@@ -127,26 +127,43 @@ class _Faulty(S3Remote):
             raise RemoteError(f"GET {name} failed: SlowDown (503)")
         return super().get_bytes(name, *a, **kw)
 
+    def get_tagged(self, name: str, *a, **kw):  # type: ignore[no-untyped-def, override]
+        self.get_bytes(name)  # the same trouble
+        return super().get_tagged(name, *a, **kw)
+
     def put(self, name: str, body, if_absent: bool = False, strict: bool = False):  # type: ignore[no-untyped-def, override]
         done = super().put(name, body, if_absent=if_absent, strict=strict)
         if self.fault == "lose_answer" and if_absent and name.startswith("leases/"):
             return False
         return done
 
-    def delete(self, name: str) -> None:
+    def put_tagged(self, name: str, body: bytes, if_match=None, if_absent: bool = False):  # type: ignore[no-untyped-def, override]
+        done = super().put_tagged(name, body, if_match=if_match, if_absent=if_absent)
+        if self.fault == "lose_answer" and name.startswith("leases/"):
+            return None  # written, but the answer lost: the client's retry was refused
+        return done
+
+    def _deleting(self, name: str) -> bool:
         if self.fault == "no_delete" and name.startswith("leases/"):
-            return
+            return False
         if self.fault == "deny_delete" and self._ours(name):
             from aotc.errors import RemoteError
 
             raise RemoteError(f"DELETE {name}: AccessDenied")
-        super().delete(name)
+        return True
+
+    def delete(self, name: str) -> None:
+        if self._deleting(name):
+            super().delete(name)
+
+    def delete_if_match(self, name: str, etag: str) -> bool:
+        return super().delete_if_match(name, etag) if self._deleting(name) else True
 
 
 def test_a_lease_the_remote_fails_means_compiling_here_not_a_failed_call(s3, caplog) -> None:
-    remote = _Faulty(f"s3://{s3()}/fleet", "fail")
+    remote = _Faulty(s3, f"s3://{s3()}/fleet", "fail")
     alive = LeaseInfo("other-host:42:abcd", time.time(), time.time() + 3600, "toy")
-    S3Remote(remote.url).put("leases/k5.json", alive.to_bytes())
+    S3Remote(remote.url, s3.endpoint).put("leases/k5.json", alive.to_bytes())
     got = single_flight(remote, "k5", "toy", lambda: None, lambda: "mine", ttl=10, max_wait=60, poll=0.1)
     assert got == "mine"
     assert any("compile lease for toy" in r.getMessage() and "compiling here" in r.getMessage()
@@ -154,7 +171,7 @@ def test_a_lease_the_remote_fails_means_compiling_here_not_a_failed_call(s3, cap
 
 
 def test_a_create_whose_answer_was_lost_is_still_ours(s3) -> None:
-    remote = _Faulty(f"s3://{s3()}/fleet", "lose_answer")
+    remote = _Faulty(s3, f"s3://{s3()}/fleet", "lose_answer")
     t = time.monotonic()
     assert single_flight(remote, "k6", "toy", lambda: None, lambda: "mine", ttl=10, max_wait=60) == "mine"
     assert time.monotonic() - t < 5  # never waited on its own lease
@@ -162,7 +179,7 @@ def test_a_create_whose_answer_was_lost_is_still_ours(s3) -> None:
 
 
 def test_a_lease_that_cannot_be_removed_never_holds_a_waiter_past_its_bound(s3) -> None:
-    remote = _Faulty(f"s3://{s3()}/fleet", "no_delete")
+    remote = _Faulty(s3, f"s3://{s3()}/fleet", "no_delete")
     dead = LeaseInfo("gone:1:dead", time.time() - 100, time.time() - 1, "toy")
     remote.put("leases/k7.json", dead.to_bytes())
     t = time.monotonic()
@@ -174,7 +191,7 @@ def test_a_lease_that_cannot_be_removed_never_holds_a_waiter_past_its_bound(s3) 
 def test_credentials_that_cannot_delete_mean_no_leases_asked_again_later(s3, caplog, monkeypatch) -> None:
     from aotc.fleet import lease
 
-    remote = _Faulty(f"s3://{s3()}/fleet", "deny_delete")
+    remote = _Faulty(s3, f"s3://{s3()}/fleet", "deny_delete")
     assert not conditional_writes(remote)
     assert any("no compile leases" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(lease, "_RETRY_PROBE", 0.0)
@@ -218,7 +235,7 @@ def test_four_replicas_at_once_compile_once(s3, tmp_path: Path) -> None:
 def test_a_killed_leaseholder_is_taken_over_and_all_finish(s3, tmp_path: Path) -> None:
     manifest = tiny_manifest(tmp_path)
     url = f"s3://{s3()}/fleet"
-    remote = S3Remote(url)
+    remote = S3Remote(url, s3.endpoint)
     ttl = {"AOTC_LEASE_TTL": "3"}
     holder = _compile_proc(manifest, tmp_path / "s0", url, tmp_path, "p0", **ttl)
     deadline = time.monotonic() + 120
@@ -288,7 +305,7 @@ def test_a_load_waits_for_a_compile_in_flight_then_pulls_it(compiled, s3, tmp_pa
     monkeypatch.setenv("AOTC_ALLOW_UNSIGNED", "1")
     _tmp, store, results = compiled
     manifest, key = results[2][0], results[2][1].key
-    remote = S3Remote(f"s3://{s3()}/inflight")
+    remote = S3Remote(f"s3://{s3()}/inflight", s3.endpoint)
     m = load_manifest(manifest)
     probe = compute_key(base_factors(m, machine_factors(m.device, store.base / "toolchain")))
     holder = LeaseInfo("builder:7:beef", time.time(), time.time() + 60, m.name)

@@ -15,6 +15,7 @@ import pytest
 from aotc.cache import Store
 from aotc.errors import RemoteError, TrustError
 from aotc.fleet.oci import OciRemote
+from aotc.fleet.remote_api import Unconditional
 from aotc.fleet.sync import pull_entry, push_entry
 from aotc.fleet.trust import TrustPolicy, generate_key, sign_entry
 from tests.conftest import copy_store, python_env, run_cli
@@ -33,6 +34,26 @@ def test_urls_are_checked() -> None:
             OciRemote(bad)
     assert OciRemote("oci://127.0.0.1:5000/team/models").insecure  # loopback: plain HTTP
     assert not OciRemote("oci://registry.example.com/team/models").insecure
+
+
+def test_the_remote_takes_its_settings_as_arguments_never_from_the_environment(monkeypatch) -> None:
+    """AOTC_OCI_INSECURE and DOCKER_CONFIG are read at an entry point (``Settings``) and reach
+    the remote through ``make_remote``; the constructor itself reads nothing."""
+    from aotc.fleet.remote import make_remote
+    from aotc.fleet.remote_api import Remote
+    from aotc.settings import Settings
+
+    monkeypatch.setenv("AOTC_OCI_INSECURE", "1")
+    monkeypatch.setenv("DOCKER_CONFIG", "/nowhere")
+    url = "oci://registry.example.com/team/models"
+    plain = OciRemote(url)
+    assert not plain.insecure and plain.http.docker_config is None
+    assert OciRemote(url, insecure=True).insecure
+    made = make_remote(url, Settings(oci_insecure=True, docker_config=Path("/etc/docker")))
+    assert isinstance(made, OciRemote) and isinstance(made, Remote)
+    assert made.insecure and made.http.docker_config == Path("/etc/docker")
+    assert not made.conditional
+    assert not make_remote(url, Settings()).insecure  # the settings', not the environment's
 
 
 def test_push_dedup_signed_pull_through_and_inspect(compiled, oci, tmp_path: Path) -> None:
@@ -138,6 +159,33 @@ def test_a_registry_has_no_leases_and_says_so_once(oci, caplog) -> None:
     assert single_flight(remote, "ab" * 32, "toy", lambda: None, lambda: "built", 10, 10) == "built"
     lines = [r.getMessage() for r in caplog.records if "conditional writes" in r.getMessage()]
     assert len(lines) == 1 and remote.url in lines[0]
+    with pytest.raises(Unconditional):
+        remote.put_tagged("leases/x.json", b"{}", if_absent=True)
+    with pytest.raises(Unconditional):
+        remote.delete_if_match("leases/x.json", '"0"')
+
+
+def test_the_test_registry_ignores_conditional_headers(oci) -> None:
+    """Why a registry has no leases: Distribution 2.8 (the test registry) accepts a manifest
+    PUT with ``If-None-Match: *`` over an existing tag, one with a wrong ``If-Match``, and a
+    DELETE with a wrong ``If-Match`` — there is no compare-and-swap to build a lease on."""
+    remote = OciRemote(oci())
+    config = remote._upload_bytes(b"{}", "application/vnd.oci.image.config.v1+json")
+    base = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": config, "layers": []}
+    headers = {"Content-Type": "application/vnd.oci.image.manifest.v1+json"}
+    statuses = []
+    for note, cond in (("a", {"If-None-Match": "*"}), ("b", {"If-None-Match": "*"}),
+                       ("c", {"If-Match": '"sha256:' + "0" * 64 + '"'})):
+        body = json.dumps({**base, "annotations": {"n": note}}).encode()
+        statuses.append(remote.http.request("PUT", "PUT", "manifests/lease", data=body,
+                                            headers={**headers, **cond}).status_code)
+    assert statuses == [201, 201, 201]  # every condition ignored
+    got = remote.http.request("GET", "GET", "manifests/lease", headers={"Accept": headers["Content-Type"]})
+    assert got.json()["annotations"] == {"n": "c"}
+    gone = remote.http.request("DELETE", "DELETE", f"manifests/{got.headers['Docker-Content-Digest']}",
+                               headers={"If-Match": '"sha256:' + "0" * 64 + '"'})
+    assert gone.status_code == 202
 
 
 def _bcrypt_line(user: str, password: str) -> str | None:
@@ -175,24 +223,26 @@ def test_a_registry_that_wants_credentials_gets_the_docker_configs(compiled, oci
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.docker of the machine's
     with oci_registry(tmp_path / "reg", htpasswd=tmp_path / "htpasswd", delete=False) as (host, _b):
         url = f"oci://{host}/team/aotc"
-        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "nobody"))
         with pytest.raises(RemoteError, match=r"wants credentials.*docker login"):
-            push_entry(store, OciRemote(url), key)
+            push_entry(store, OciRemote(url, docker_config=tmp_path / "nobody"), key)
         config = tmp_path / "docker"
         config.mkdir()
         wrong = base64.b64encode(b"ci:wrong").decode()
         (config / "config.json").write_text(json.dumps({"auths": {host: {"auth": wrong}}}))
-        monkeypatch.setenv("DOCKER_CONFIG", str(config))
         with pytest.raises(RemoteError, match="wants credentials"):
-            push_entry(store, OciRemote(url), key)
+            push_entry(store, OciRemote(url, docker_config=config), key)
         right = base64.b64encode(b"ci:s3cret").decode()
         (config / "config.json").write_text(json.dumps({"auths": {host: {"auth": right}}}))
-        assert push_entry(store, OciRemote(url), key).moved
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))  # never read by the remote itself:
+        with pytest.raises(RemoteError, match="wants credentials"):  # only what it is handed
+            push_entry(store, OciRemote(url), key)
+        assert push_entry(store, OciRemote(url, docker_config=config), key).moved
         replica = Store(tmp_path / "r")
-        assert pull_entry(OciRemote(url), replica, key, ALLOW).moved and replica.keys() == [key]
+        assert pull_entry(OciRemote(url, docker_config=config), replica, key, ALLOW).moved
+        assert replica.keys() == [key]
         with pytest.raises(RemoteError, match="deletion disabled"):
-            OciRemote(url).delete(OciRemote.entry_name(key))
-        assert OciRemote(url).get_bytes(OciRemote.entry_name(key)) is not None
+            OciRemote(url, docker_config=config).delete(OciRemote.entry_name(key))
+        assert OciRemote(url, docker_config=config).get_bytes(OciRemote.entry_name(key)) is not None
 
 
 class _AnsweringServer:

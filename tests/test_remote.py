@@ -83,7 +83,7 @@ def test_push_then_pull_through_warm_start_in_a_fresh_process(compiled, s3, tmp_
 def test_repush_uploads_nothing_and_shared_blobs_go_once(compiled, s3) -> None:
     _tmp, store, results = compiled
     k2, k4 = results[2][1].key, results[4][1].key
-    remote = S3Remote(f"s3://{s3()}")
+    remote = S3Remote(f"s3://{s3()}", s3.endpoint)
     first = push_entry(store, remote, k2)
     assert first.moved and first.blobs_moved == len(_digests(store, k2))
     again = push_entry(store, remote, k2)
@@ -102,7 +102,7 @@ def test_damaged_remote_blob_is_refused_then_repaired(compiled, s3, tmp_path: Pa
     manifest, key = results[2][0], results[2][1].key
     bucket = s3()
     url = f"s3://{bucket}/p"
-    remote = S3Remote(url)
+    remote = S3Remote(url, s3.endpoint)
     push_entry(store, remote, key)
     entry = store.get(key, record=False)
     victim = max(entry.blobs.values(), key=lambda b: b.size).digest  # a kernel library
@@ -170,7 +170,7 @@ def test_two_concurrent_pushers_of_one_key(compiled, s3, tmp_path: Path) -> None
     for root in roots:
         sign_entry(Store(root), key, signer)
     url = f"s3://{s3()}/shared"
-    remote = S3Remote(url)
+    remote = S3Remote(url, s3.endpoint)
     procs = [subprocess.Popen([*AOTC_CLI, "--store", str(root), "push", key,
                                "--to", url, "--json"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=python_env())
@@ -186,7 +186,7 @@ def test_two_concurrent_pushers_of_one_key(compiled, s3, tmp_path: Path) -> None
     assert [o.name for o in remote.list("entries/")] == [f"entries/{key}.json"]
     assert verify_remote(remote).ok
     replica = Store(tmp_path / "replica")
-    assert pull_entry(remote, replica, key, trusted=frozenset({public})).moved
+    assert pull_entry(remote, replica, key, trusted=TrustPolicy(frozenset({public}))).moved
     winner = roots[[p["moved"] for p in pushed].index(True)]
     assert _digests(replica, key) == _digests(Store(winner), key)
 
@@ -195,7 +195,7 @@ def test_interrupted_push_never_publishes_a_partial_entry(compiled, s3) -> None:
     _tmp, store, results = compiled
     key = results["hf"][1].key
     url = f"s3://{s3()}"
-    remote = S3Remote(url)
+    remote = S3Remote(url, s3.endpoint)
     proc = subprocess.Popen([*AOTC_CLI, "--store", str(store.root), "push", key,
                              "--to", url, "-q"], env=python_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -231,15 +231,15 @@ def test_trust_policy_applies_to_pulls(compiled, s3, tmp_path: Path, monkeypatch
     copy_store(store.root, signed_store)
     local = Store(signed_store)
     sign_entry(local, k2, signer)
-    remote = S3Remote(f"s3://{s3()}")
+    remote = S3Remote(f"s3://{s3()}", s3.endpoint)
     push_entry(local, remote, k2)
     push_entry(local, remote, k4)  # unsigned
 
     replica = Store(tmp_path / "replica")
-    assert pull_entry(remote, replica, k2, trusted=frozenset({public})).moved
+    assert pull_entry(remote, replica, k2, trusted=TrustPolicy(frozenset({public}))).moved
     assert replica.signatures(k2) == local.signatures(k2)
     with pytest.raises(TrustError):
-        pull_entry(remote, replica, k4, trusted=frozenset({public}))
+        pull_entry(remote, replica, k4, trusted=TrustPolicy(frozenset({public})))
     assert replica.keys() == [k2]
     # Secure by default: with no key at all, an unsigned entry from a remote is refused, the
     # fix named; the explicit opt-out lets it in (and stores no signature).
@@ -249,7 +249,7 @@ def test_trust_policy_applies_to_pulls(compiled, s3, tmp_path: Path, monkeypatch
     # A forged signature object beside a remote entry is refused, never stored — even with the
     # opt-out (it accepts unsigned entries, not tampered ones).
     remote.put(remote.signature_name(k4, public), b"00" * 64)
-    for policy in (frozenset({public}), ALLOW):
+    for policy in (TrustPolicy(frozenset({public})), ALLOW):
         with pytest.raises(TrustError, match="does not match its contents"):
             pull_entry(remote, replica, k4, trusted=policy)
     remote.delete(remote.signature_name(k4, public))
@@ -261,7 +261,7 @@ def test_damaged_remote_record_and_cli_errors(compiled, s3, tmp_path: Path) -> N
     key = results[2][1].key
     bucket = s3()
     url = f"s3://{bucket}"
-    remote = S3Remote(url)
+    remote = S3Remote(url, s3.endpoint)
     push_entry(store, remote, key)
     s3.client.put_object(Bucket=bucket, Key=remote.root + remote.entry_name(key), Body=b"{not json")
     local = str(tmp_path / "local")
@@ -322,7 +322,7 @@ def test_compile_with_a_remote_store_publishes(compiled, s3) -> None:
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["key"] == key and out["push"]["blobs_moved"] == len(_digests(store, key))
-    assert [e.key for e in scan_remote(S3Remote(url)).entries] == [key]
+    assert [e.key for e in scan_remote(S3Remote(url, s3.endpoint)).entries] == [key]
 
 
 def test_a_remote_aotc_store_is_not_a_directory(monkeypatch, tmp_path: Path) -> None:
@@ -337,9 +337,10 @@ def test_a_remote_aotc_store_is_not_a_directory(monkeypatch, tmp_path: Path) -> 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AOTC_REMOTE", raising=False)
-    store, remote = split_store(None)
+    settings = Settings.from_env()  # read once, at the entry point
+    store, remote = split_store(None, None, settings)
     assert store is None and remote.url == "s3://bucket/prefix"
-    app = AppContext(None)
+    app = AppContext(None, settings=settings)
     assert app.store_is_remote and app.store_path == tmp_path / "xdg" / "aotc"
     assert app.remote().url == "s3://bucket/prefix"
 
@@ -354,7 +355,7 @@ def test_secure_by_default_across_machines(compiled, s3, tmp_path: Path, monkeyp
     _tmp, store, results = compiled
     manifest, key = results[2][0], results[2][1].key
     url = f"s3://{s3()}/plain"
-    push_entry(store, S3Remote(url), key)
+    push_entry(store, S3Remote(url, s3.endpoint), key)
     run = ["--store", str(tmp_path / "r1"), "--remote", url, "run", str(manifest), "--sizes", "3"]
     refused = run_cli(*run)
     assert refused.returncode == 1 and len(refused.stderr.strip().splitlines()) == 1
@@ -400,6 +401,29 @@ def test_a_backend_replica_without_keys_compiles_locally_instead(s3, tmp_path: P
     replica = torch.compile(fn, backend=aotc.backend(store=str(tmp_path / "replica"), remote=url))
     assert torch.allclose(replica(x), fn(x))
     torch._dynamo.reset()
-    lines = [ln for ln in aotc_warnings(caplog) if "could not pull" in ln]
-    assert len(lines) == 1 and "no trusted key is set" in lines[0] and "compiling it here" in lines[0]
+    lines = [ln for ln in aotc_warnings(caplog) if "no trusted key is set" in ln]
+    assert len(lines) == 1 and url in lines[0] and "here" in lines[0]  # one line: refused, built here
     assert len(Store(tmp_path / "replica").keys()) == 1  # compiled and stored here, unsigned
+
+
+def test_remotes_are_built_from_settings_never_from_the_environment(s3, monkeypatch) -> None:
+    """``AOTC_S3_ENDPOINT`` / ``AOTC_REMOTE`` are read once at an entry point into ``Settings``;
+    ``make_remote`` / ``open_remote`` take them from there, and ``S3Remote`` from its arguments
+    (the ``s3`` fixture has set AOTC_S3_ENDPOINT: the constructor ignores it)."""
+    from aotc.fleet.remote import make_remote, open_remote
+    from aotc.fleet.remote_api import Remote
+    from aotc.settings import Settings
+
+    assert S3Remote("s3://b/p").endpoint_url is None  # boto3's own configuration decides
+    made = make_remote("s3://b/p", Settings(s3_endpoint=s3.endpoint))
+    assert isinstance(made, S3Remote) and isinstance(made, Remote) and made.endpoint_url == s3.endpoint
+    assert make_remote("s3://b/p", Settings(s3_endpoint=s3.endpoint), "http://other:1").endpoint_url == "http://other:1"
+    monkeypatch.setenv("AOTC_REMOTE", "s3://from-env/x")
+    assert open_remote(None, Settings()) is None  # the settings', not the environment's
+    opened = open_remote(None, Settings(remote="s3://b/q", s3_endpoint=s3.endpoint))
+    assert opened is not None and opened.url == "s3://b/q"
+    bucket = s3()
+    remote = make_remote(f"s3://{bucket}/p", Settings.from_env())  # what an entry point does
+    assert remote.put("x", b"1") and remote.get_bytes("x") == b"1"
+    with pytest.raises(RemoteError, match="not a remote store URL"):
+        make_remote("/some/dir", Settings())

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from aotc.errors import DamagedRemoteEntry, RemoteError
 
-__all__ = ["DigestChecked", "ObjectNames", "RemoteObject", "split_name"]
+__all__ = ["DigestChecked", "ObjectNames", "RemoteObject", "file_digest", "split_name"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,16 @@ def split_name(name: str) -> tuple[str, str]:
     if ".." in rest.split("/"):
         raise RemoteError(f"{name!r}: not an aotc object name")
     return kind, rest
+
+
+def file_digest(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """(``sha256:<hex>``, size) of a file's bytes as they are (a registry's layer digest)."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return "sha256:" + h.hexdigest(), size
 
 
 class DigestChecked(io.RawIOBase):

@@ -23,7 +23,14 @@ half-written locally (a pull stages and verifies every blob before the store's i
 written).
 
 Plain HTTP is used for a registry on a loopback address (a test or a node-local mirror) and
-with ``AOTC_OCI_INSECURE=1``; HTTPS otherwise.
+with ``insecure=True`` (``AOTC_OCI_INSECURE=1``, read at an entry point and handed over by
+``aotc.fleet.remote.make_remote``); HTTPS otherwise. The remote never reads the environment.
+
+No conditional writes: the OCI distribution API has none, and Debian's ``docker-registry``
+2.8.2 (the CNCF distribution registry, tested) accepts a manifest PUT or DELETE whatever its
+``If-Match`` / ``If-None-Match`` says. So ``conditional`` is False, :meth:`OciRemote.put_tagged`
+and :meth:`OciRemote.delete_if_match` raise ``Unconditional``, and a registry remote has no
+compile leases (:mod:`aotc.fleet.lease`: every process that misses compiles, as before).
 """
 
 from __future__ import annotations
@@ -31,14 +38,17 @@ from __future__ import annotations
 import builtins
 import hashlib
 import json
+import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from aotc.cache import blobio
 from aotc.errors import DamagedRemoteEntry, MissingObject, OversizedObject, RemoteError
-from aotc.fleet.objects import DigestChecked, ObjectNames, RemoteObject, split_name
+from aotc.fleet.objects import DigestChecked, ObjectNames, RemoteObject, file_digest, split_name
 from aotc.fleet.oci_http import RegistryHttp
+from aotc.fleet.remote_api import MAX_RECORD, Tagged, Unconditional
 
 __all__ = ["ARTIFACT_TYPE", "OciRemote", "is_oci_url"]
 
@@ -50,7 +60,6 @@ DIGEST_NOTE = "org.aotc.digest"
 SIGNATURE_NOTE = "org.aotc.signature."
 KEY_NOTE = "org.aotc.key"
 MAX_MANIFEST = 4 << 20
-MAX_RECORD = 16 << 20
 TAG_PAGE = 1000  # tags asked for per page of a listing
 _REPO = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
 _OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -73,9 +82,15 @@ def _sha(data: bytes) -> str:
 
 
 class OciRemote(ObjectNames):
-    """The registry repository at ``url`` (``oci://host[:port]/repo``), as an object store."""
+    """The registry repository at ``url`` (``oci://host[:port]/repo``), as an object store (a
+    :class:`aotc.fleet.remote_api.Remote`). ``insecure``: plain HTTP (None: only for a loopback
+    host); ``docker_config``: the docker config directory whose ``config.json`` holds the
+    credentials (None: ``~/.docker``, as oras reads it)."""
 
-    def __init__(self, url: str, insecure: bool | None = None) -> None:
+    conditional = False  # module doc: a registry has no conditional writes
+
+    def __init__(self, url: str, insecure: bool | None = None,
+                 docker_config: str | os.PathLike[str] | None = None) -> None:
         if not is_oci_url(url):
             raise RemoteError(f"{url!r} is not an OCI remote URL: expected oci://host[:port]/repo")
         host, _, repo = url[len("oci://"):].strip("/").partition("/")
@@ -84,12 +99,11 @@ class OciRemote(ObjectNames):
                               "letters, digits, . _ - and /)")
         self.url, self.host, self.repo = f"oci://{host}/{repo}", host, repo
         if insecure is None:
-            from aotc.settings import current
-
             name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-            insecure = current().oci_insecure or name in ("localhost", "127.0.0.1", "::1")
+            insecure = name in ("localhost", "127.0.0.1", "::1")
         self.insecure = insecure
-        self.http = RegistryHttp(self.url, host, repo, insecure)
+        self.http = RegistryHttp(self.url, host, repo, insecure,
+                                 Path(docker_config) if docker_config is not None else None)
         self._request, self._read = self.http.request, self.http.read
         self._layers: dict[str, tuple[str, int]] = {}  # aotc digest -> (layer digest, size)
         self.root = ""
@@ -216,6 +230,21 @@ class OciRemote(ObjectNames):
             return None if sig is None else str(sig).encode()[:limit]
         return None
 
+    def get_tagged(self, name: str, limit: int = MAX_RECORD) -> Tagged | None:
+        """:meth:`get_bytes` with a tag naming those bytes (their sha256): a registry has no
+        version to write against (:meth:`put_tagged`)."""
+        data = self.get_bytes(name, limit)
+        return None if data is None else Tagged(data, _sha(data))
+
+    def put_tagged(self, name: str, body: bytes, if_match: str | None = None,
+                   if_absent: bool = False) -> str | None:
+        """Not offered: a registry ignores ``If-Match`` / ``If-None-Match`` (module doc)."""
+        raise Unconditional(f"{self.url}: a registry has no conditional writes ({name})")
+
+    def delete_if_match(self, name: str, etag: str) -> bool:
+        """Not offered: a registry ignores ``If-Match`` on DELETE (module doc)."""
+        raise Unconditional(f"{self.url}: a registry has no conditional deletes ({name})")
+
     def open(self, name: str) -> tuple[BinaryIO, int]:
         """A stream of blob ``name`` (its layer's bytes, checked against the layer digest as it
         is read) and its size."""
@@ -295,17 +324,12 @@ class OciRemote(ObjectNames):
         probe = json.loads(raw).get("metadata", {}).get("probe")
         return probe if blobio.is_digest(probe) else None
 
-    def learn_local(self, files: dict[str, Any]) -> None:
+    def learn_local(self, files: Mapping[str, str | os.PathLike[str]]) -> None:
         """Learn the layer digest of local blob files (aotc digest -> path) about to be pushed,
         so :meth:`head` can ask the registry whether it already holds those bytes."""
         for digest, path in files.items():
             if digest not in self._layers:
-                h, size = hashlib.sha256(), 0
-                with open(path, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
-                        size += len(chunk)
-                self._layers[digest] = ("sha256:" + h.hexdigest(), size)
+                self._layers[digest] = file_digest(path)
 
     def upload(self, name: str, path: Any, on_bytes: Any = None) -> None:
         """Upload a stored blob file as a layer (skipped when the registry holds those bytes)."""
@@ -339,7 +363,7 @@ class OciRemote(ObjectNames):
             raise RemoteError(f"{self.url}: {what} refused: HTTP {status}"
                               + (" (this registry has deletion disabled)" if status == 405 else ""))
 
-    def list(self, prefix: str) -> Iterator[Any]:
+    def list(self, prefix: str) -> Iterator[RemoteObject]:
         """The objects under ``prefix``: entries (the key tags), the blobs of the entries read
         so far, a probe's entry, a key's signatures."""
         kind, rest = split_name(prefix)
@@ -347,7 +371,7 @@ class OciRemote(ObjectNames):
             for digest, (_layer, size) in sorted(self._layers.items()):
                 yield RemoteObject(f"blobs/{digest}", size, 0.0)
         elif kind == "entries":
-            for tag in self._tags():
+            for tag in self.http.tags(TAG_PAGE, MAX_RECORD):
                 if blobio.is_digest(tag):
                     yield RemoteObject(f"entries/{tag}.json", 0, 0.0)
         elif kind == "probes":
@@ -362,26 +386,3 @@ class OciRemote(ObjectNames):
                 if note.startswith(SIGNATURE_NOTE):
                     yield RemoteObject(f"signatures/{key}/{note[len(SIGNATURE_NOTE):]}", len(sig), 0.0)
 
-    def _tags(self) -> builtins.list[str]:
-        """Every tag of the repository, following the registry's pages (``Link: <…>; rel=next``),
-        each page read up to :data:`MAX_RECORD` bytes."""
-        tags: builtins.list[str] = []
-        path = f"tags/list?n={TAG_PAGE}"
-        for _page in range(10_000):
-            r = self._request("list tags", "GET", path, stream=True)
-            if r.status_code != 200:
-                r.close()
-                if r.status_code == 404:
-                    return tags
-                raise RemoteError(f"{self.url}: listing tags failed: HTTP {r.status_code}")
-            raw = self._read(r, MAX_RECORD, "list tags")
-            try:
-                page = json.loads(raw) if len(raw) <= MAX_RECORD else None
-                tags += [str(t) for t in (page.get("tags") or [])]  # type: ignore[union-attr]  # None: caught
-            except (ValueError, AttributeError, TypeError):
-                raise RemoteError(f"{self.url}: the registry's tag list is not a JSON tag list") from None
-            link = r.links.get("next", {}).get("url")
-            if not link:
-                return tags
-            path = self.http.absolute(link)
-        raise RemoteError(f"{self.url}: the registry's tag list does not end")

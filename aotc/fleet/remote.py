@@ -11,24 +11,33 @@ Layout under ``<prefix>/store-v1/``::
 Objects are only ever created whole (an S3 PUT is atomic), blobs are named by content, and a
 record is written only after every blob it names was seen on the server: a reader never finds
 an entry whose blobs are missing. Endpoint, region and credentials come from boto3's own
-configuration (environment, ``~/.aws``), with ``endpoint_url`` / ``AOTC_S3_ENDPOINT`` for an
-S3-compatible server. boto3 is imported only when a remote is used.
+configuration (environment, ``~/.aws``), with ``endpoint_url`` for an S3-compatible server
+(``AOTC_S3_ENDPOINT``, read at an entry point into :class:`aotc.settings.Settings` and handed to
+:func:`make_remote`: the remote itself never reads the environment). boto3 is imported only when
+a remote is used.
+
+Conditional writes (what a compile lease needs, :mod:`aotc.fleet.lease`): a create with
+``If-None-Match: *``, a replace with ``If-Match: <ETag>`` and a delete with ``If-Match`` — AWS S3
+since 2024 (creates in August, replaces and deletes in November), MinIO, and moto's server
+(tested: moto 5.2.5 with boto3/botocore 1.44.8). A server that ignores the headers is found by
+the lease's probe, never trusted blindly.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
 from aotc.errors import MissingObject, OversizedObject, RemoteError
 from aotc.fleet.objects import ObjectNames, RemoteObject
-from aotc.settings import ENV, Settings, current, is_remote_url  # noqa: F401 - is_remote_url: re-exported
+from aotc.fleet.remote_api import MAX_RECORD, Remote, Tagged, Unconditional
+from aotc.settings import ENV, Settings, is_remote_url  # noqa: F401 - is_remote_url: re-exported
 
 ENDPOINT_ENV = ENV["s3_endpoint"]  # for messages: the variable is read in aotc.settings
 LAYOUT = "store-v1"
-MAX_RECORD = 16 << 20
+_CONFLICT_RETRIES = 5  # a 409 ConditionalRequestConflict: another conditional write in flight
 
 
 def _boto3() -> Any:
@@ -41,7 +50,10 @@ def _boto3() -> Any:
 
 
 class S3Remote(ObjectNames):
-    """The remote store at ``url`` (``s3://bucket[/prefix]``)."""
+    """The remote store at ``url`` (``s3://bucket[/prefix]``) on ``endpoint_url`` (None: boto3's
+    own configuration decides). A :class:`aotc.fleet.remote_api.Remote`."""
+
+    conditional = True  # If-None-Match / If-Match on PUT and DELETE (module doc)
 
     def __init__(self, url: str, endpoint_url: str | None = None) -> None:
         if not (isinstance(url, str) and url.startswith("s3://")):
@@ -53,7 +65,7 @@ class S3Remote(ObjectNames):
         self.url = f"s3://{bucket}" + (f"/{prefix}" if prefix else "")
         self.bucket = bucket
         self.root = (f"{prefix}/" if prefix else "") + f"{LAYOUT}/"
-        self.endpoint_url = endpoint_url or current().s3_endpoint
+        self.endpoint_url = endpoint_url
         self._client: Any = None
 
     @property
@@ -109,6 +121,12 @@ class S3Remote(ObjectNames):
             why = str(exc)
         return RemoteError(f"{self.url}: {what} failed: {why}")
 
+    def _conditional_fail(self, exc: Exception, what: str) -> RemoteError:
+        """``Unconditional`` for a server that answers a conditional request "not implemented"."""
+        if self._code(exc) in ("NotImplemented", "501"):
+            return Unconditional(f"{self.url}: {what}: the server has no conditional writes")
+        return self._fail(exc, what)
+
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         try:
             return fn(Bucket=self.bucket, **kwargs)
@@ -138,9 +156,9 @@ class S3Remote(ObjectNames):
     def get_bytes(self, name: str, limit: int = MAX_RECORD) -> bytes | None:
         """The bytes of a small object (at most ``limit``), or None when there is none."""
         resp = self._maybe("GET", self.client.get_object, name)
-        if resp is None:
-            return None
-        body = resp["Body"]
+        return None if resp is None else self._read_body(resp["Body"], name, limit)
+
+    def _read_body(self, body: Any, name: str, limit: int) -> bytes:
         try:
             data = body.read(limit + 1)
         except (self._botocore.exceptions.BotoCoreError, OSError) as e:
@@ -151,6 +169,13 @@ class S3Remote(ObjectNames):
             raise OversizedObject(f"{self.url}: {name} is larger than {limit} bytes: not written "
                                   "by aotc")
         return data
+
+    def get_tagged(self, name: str, limit: int = MAX_RECORD) -> Tagged | None:
+        """The bytes of a small object and its ETag (one GET), or None when there is none."""
+        resp = self._maybe("GET", self.client.get_object, name)
+        if resp is None:
+            return None
+        return Tagged(self._read_body(resp["Body"], name, limit), str(resp["ETag"]))
 
     def open(self, name: str) -> tuple[BinaryIO, int]:
         """A stream of object ``name`` and its size (``MissingObject`` when there is none)."""
@@ -211,6 +236,44 @@ class S3Remote(ObjectNames):
         """Remove object ``name`` (no error when it is already gone)."""
         self._call(f"DELETE {name}", self.client.delete_object, Key=self.root + name)
 
+    def put_tagged(self, name: str, body: bytes, if_match: str | None = None,
+                   if_absent: bool = False) -> str | None:
+        """Write ``name`` only if it is still ETag ``if_match`` (or, with ``if_absent``, does not
+        exist): its new ETag, or None when the condition failed (412, or 404: it is gone). A
+        409 (another conditional write in flight) is retried."""
+        cond = {"IfMatch": if_match} if if_match is not None else {"IfNoneMatch": "*"} if if_absent else {}
+        attempt = 0
+        while True:
+            try:
+                resp = self.client.put_object(Bucket=self.bucket, Key=self.root + name, Body=body, **cond)
+                return str(resp["ETag"])
+            except self._botocore.exceptions.ClientError as e:
+                code = self._code(e)
+                if code in ("PreconditionFailed", "412") or (if_match and code in ("NoSuchKey", "404")):
+                    return None
+                attempt += 1
+                if code in ("ConditionalRequestConflict", "409") and attempt < _CONFLICT_RETRIES:
+                    time.sleep(0.2 * attempt)
+                    continue
+                raise self._conditional_fail(e, f"conditional PUT {name}") from None
+            except self._botocore.exceptions.BotoCoreError as e:
+                raise self._fail(e, f"conditional PUT {name}") from None
+
+    def delete_if_match(self, name: str, etag: str) -> bool:
+        """Remove ``name`` only if it is still ETag ``etag``: whether it was removed."""
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.root + name, IfMatch=etag)
+            return True
+        except self._botocore.exceptions.ClientError as e:
+            if self._code(e) in ("PreconditionFailed", "412", "NoSuchKey", "404"):
+                return False
+            raise self._conditional_fail(e, f"conditional DELETE {name}") from None
+        except self._botocore.exceptions.BotoCoreError as e:
+            raise self._fail(e, f"conditional DELETE {name}") from None
+
+    def learn_local(self, files: Mapping[str, str | os.PathLike[str]]) -> None:
+        """Nothing to learn: S3 names a blob by its aotc digest."""
+
     def list(self, prefix: str) -> Iterator[RemoteObject]:
         """Every object whose name starts with ``prefix``, in name order."""
         paginator = self.client.get_paginator("list_objects_v2")
@@ -223,22 +286,23 @@ class S3Remote(ObjectNames):
             raise self._fail(e, f"LIST {prefix}") from None
 
 
-def make_remote(url: str, endpoint_url: str | None = None) -> Any:
-    """The remote a URL names: ``s3://bucket[/prefix]`` (an :class:`S3Remote`) or
-    ``oci://host[:port]/repo`` (an :class:`aotc.fleet.oci.OciRemote`)."""
+def make_remote(url: str, settings: Settings, endpoint_url: str | None = None) -> Remote:
+    """The remote a URL names: ``s3://bucket[/prefix]`` (an :class:`S3Remote` on ``endpoint_url``,
+    else ``settings.s3_endpoint``) or ``oci://host[:port]/repo`` (an
+    :class:`aotc.fleet.oci.OciRemote`, plain HTTP with ``settings.oci_insecure``, credentials from
+    ``settings.docker_config``). ``settings``: read once at the caller's entry point."""
     if isinstance(url, str) and url.startswith("oci://"):
         from aotc.fleet.oci import OciRemote
 
-        return OciRemote(url)
+        return OciRemote(url, insecure=True if settings.oci_insecure else None,
+                         docker_config=settings.docker_config)
     if not is_remote_url(url):
         raise RemoteError(f"{url!r} is not a remote store URL: expected s3://bucket[/prefix] or "
                           "oci://host[:port]/repo")
-    return S3Remote(url, endpoint_url)
+    return S3Remote(url, endpoint_url or settings.s3_endpoint)
 
 
-def open_remote(url: str | None = None, endpoint_url: str | None = None,
-                settings: Settings | None = None) -> Any:
+def open_remote(url: str | None, settings: Settings, endpoint_url: str | None = None) -> Remote | None:
     """The remote ``url`` names, else the settings' (``AOTC_REMOTE``), else None."""
-    settings = settings or current()
     url = url or settings.remote
-    return make_remote(url, endpoint_url or settings.s3_endpoint) if url else None
+    return make_remote(url, settings, endpoint_url) if url else None

@@ -10,8 +10,10 @@ from typing import Any
 
 from aotc.cache import blobio
 from aotc.cache.scan import EntryInfo
-from aotc.fleet.remote import MissingObject, RemoteError, S3Remote
-from aotc.fleet.sync import DamagedRemoteEntry, remote_entry
+from aotc.errors import DamagedRemoteEntry, MissingObject, RemoteError
+from aotc.fleet.objects import RemoteObject
+from aotc.fleet.remote_api import Remote
+from aotc.fleet.sync import remote_entry
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class RemoteScan:
                 "orphan_blobs": self.orphan_blobs, "warnings": list(self.warnings)}
 
 
-def _records(remote: S3Remote) -> tuple[list[tuple[str, float, Any]], list[str]]:
+def _records(remote: Remote) -> tuple[list[tuple[str, float, Any]], list[str]]:
     """(key, modified, Entry or the reason it is damaged) for every record, and warnings."""
     out, warnings = [], []
     for obj in remote.list("entries/"):
@@ -50,7 +52,7 @@ def _records(remote: S3Remote) -> tuple[list[tuple[str, float, Any]], list[str]]
     return out, warnings
 
 
-def scan_remote(remote: S3Remote) -> RemoteScan:
+def scan_remote(remote: Remote) -> RemoteScan:
     """List the remote's entries (newest first) with sizes from their records."""
     records, warnings = _records(remote)
     blobs = {o.name[len("blobs/"):]: o.size for o in remote.list("blobs/")}
@@ -99,7 +101,7 @@ class RemoteVerify:
                 "problems": self.problems, "bad_keys": self.bad_keys, "removed": self.removed}
 
 
-def verify_remote(remote: S3Remote, repair: bool = False) -> RemoteVerify:
+def verify_remote(remote: Remote, repair: bool = False) -> RemoteVerify:
     """Download and re-hash every blob an entry of ``remote`` names; with ``repair``, delete the
     damaged blobs and the records (with their markers and signatures) that name a damaged or
     missing blob or are damaged themselves."""
@@ -136,11 +138,11 @@ def verify_remote(remote: S3Remote, repair: bool = False) -> RemoteVerify:
     return report
 
 
-def _markers(remote: S3Remote, key: str) -> list[Any]:
+def _markers(remote: Remote, key: str) -> list[RemoteObject]:
     return [o for o in remote.list("probes/") if o.name.endswith("/" + key)]
 
 
-def _check_blob(remote: S3Remote, digest: str, size: int, stored_size: int,
+def _check_blob(remote: Remote, digest: str, size: int, stored_size: int,
                 report: RemoteVerify) -> str | None:
     """None when the remote blob is ``stored_size`` bytes at most and decompresses to ``size``
     bytes hashing to ``digest``."""

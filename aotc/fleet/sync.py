@@ -1,4 +1,5 @@
-"""Moving entries between the local store and a remote one (``aotc.fleet.remote``): ``push_entry``,
+"""Moving entries between the local store and a remote one (any :class:`aotc.fleet.remote_api.Remote`:
+S3, an OCI registry; typed against the protocol, never asking which): ``push_entry``,
 ``pull_entry``, and the lookup a warm start makes on a local miss (``pull_for_manifest``).
 
 Push: every local blob is re-hashed first (damaged bytes are never shipped); each blob is HEAD-ed
@@ -23,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from aotc.cache import CacheMiss, Entry, Store, blobio
-from aotc.errors import DamagedRemoteEntry
-from aotc.fleet.remote import MissingObject, OversizedObject, RemoteError, S3Remote
-from aotc.fleet.trust import enforce_payload, valid_signatures
+from aotc.errors import DamagedRemoteEntry, MissingObject, OversizedObject, RemoteError
+from aotc.fleet.remote_api import Remote
+from aotc.fleet.trust import NO_KEYS, TrustPolicy, enforce_payload, valid_signatures
 from aotc.progress import Progress
 from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
 from aotc.records.jsonable import FieldsAsJson
@@ -49,7 +50,7 @@ class Transfer(FieldsAsJson):
     note: str = ""
 
 
-def remote_entry(remote: S3Remote, key: str) -> Entry | None:
+def remote_entry(remote: Remote, key: str) -> Entry | None:
     """The remote's entry ``key`` (None when absent); ``DamagedRemoteEntry`` when its record is
     damaged."""
     fix = f"run `aotc --store {remote.url} verify --repair`, then push it again"
@@ -70,7 +71,7 @@ def remote_entry(remote: S3Remote, key: str) -> Entry | None:
     return entry
 
 
-def remote_signatures(remote: S3Remote, key: str) -> dict[str, str]:
+def remote_signatures(remote: Remote, key: str) -> dict[str, str]:
     """The signatures stored beside remote entry ``key``: public key -> signature (hex). Objects
     that cannot be a signature (a name that is not a key, more than a few hundred bytes, past
     the first ``MAX_SIGNERS``) are left out: checking them is the trust policy's job, and junk
@@ -89,7 +90,7 @@ def remote_signatures(remote: S3Remote, key: str) -> dict[str, str]:
     return out
 
 
-def _publish_markers(store: Store, remote: S3Remote, entry: Entry) -> None:
+def _publish_markers(store: Store, remote: Remote, entry: Entry) -> None:
     """The probe marker and this store's signatures of ``entry`` (each only when missing).
     Call only when the remote's record is ``entry``'s content: a signature covers the digests."""
     probe = entry.metadata.get("probe")
@@ -101,14 +102,12 @@ def _publish_markers(store: Store, remote: S3Remote, entry: Entry) -> None:
             remote.put(remote.signature_name(entry.key, public), sig.encode())
 
 
-def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
+def push_entry(store: Store, remote: Remote, key: str, force: bool = False,
                progress: Progress | None = None) -> Transfer:
-    """Push local entry ``key`` to ``remote`` (see module doc). ``force`` re-uploads every blob
-    and replaces the remote's record (the repair for a damaged remote entry)."""
-    from aotc.fleet.trust import sign_if_configured
-
+    """Push local entry ``key`` to ``remote`` (see module doc) with the signatures the local
+    store holds (the caller signs first: ``aotc.fleet.trust.sign_with``). ``force`` re-uploads
+    every blob and replaces the remote's record (the repair for a damaged remote entry)."""
     progress = progress or Progress(quiet=True)
-    sign_if_configured(store, key)  # AOTC_SIGNING_KEY: what is pushed arrives signed
     entry = store.get(key, record=False)
     for role in entry.blobs:  # never ship damaged bytes (marks the entry bad if so)
         store.verify_blob(entry, role)
@@ -119,8 +118,7 @@ def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
         held, force = None, True  # replaced below, every blob uploaded again
     if held is not None:
         return _kept(store, remote, entry, held, len(digests))
-    if hasattr(remote, "learn_local"):  # a registry addresses blobs by their stored bytes' hash
-        remote.learn_local({d: store.blob_path(d) for d in digests})
+    remote.learn_local({d: store.blob_path(d) for d in digests})  # a registry: the layer digests
     # Each blob's size as the remote holds it goes into the record: a pull refuses more bytes.
     remote_sizes = dict(zip(digests, _parallel(
         lambda d: None if force else remote.head(remote.blob_name(d)), digests)))
@@ -151,7 +149,7 @@ def push_entry(store: Store, remote: S3Remote, key: str, force: bool = False,
                     sum(sizes[d] for d in missing), True)
 
 
-def _kept(store: Store, remote: S3Remote, entry: Entry, held: Entry, blobs: int) -> Transfer:
+def _kept(store: Store, remote: Remote, entry: Entry, held: Entry, blobs: int) -> Transfer:
     """The remote already holds key ``entry.key`` as ``held``: add our markers and signatures
     only when it is the same content (a signature of another build would not verify there)."""
     same = store.signing_payload(held) == store.signing_payload(entry)
@@ -215,7 +213,7 @@ class _Counting:
         self.close()
 
 
-def pull_entry(remote: S3Remote, store: Store, key: str, trusted: frozenset[str] = frozenset(),
+def pull_entry(remote: Remote, store: Store, key: str, trusted: TrustPolicy = NO_KEYS,
                progress: Progress | None = None, entry: Entry | None = None) -> Transfer:
     """Pull remote entry ``key`` into ``store`` (see module doc): ``CacheMiss`` when the remote
     has no such entry, ``RemoteError`` for damaged remote bytes, ``TrustError`` under a policy.
@@ -265,11 +263,9 @@ def pull_entry(remote: S3Remote, store: Store, key: str, trusted: frozenset[str]
             progress.transfer(done, done, f"{entry.name} {key[:12]}")
         for path in staged.values():  # fresh mtimes: `gc` spares staging files in use
             os.utime(path)
-        if not put_staged(store, entry, staged):
+        if not put_staged(store, entry, staged, sigs):  # the signatures in the same transaction
             raise RemoteError(f"{where}: a staged blob changed before it was stored; nothing "
                               "was pulled, try again")
-        for public, sig in sigs.items():
-            store.add_signature(key, public, sig)
     except OSError as e:
         raise RemoteError(f"{where}: cannot write the local store {store.root} ({e}); nothing "
                           "was pulled") from None
@@ -279,7 +275,7 @@ def pull_entry(remote: S3Remote, store: Store, key: str, trusted: frozenset[str]
     return Transfer("pull", key, entry.name, remote.url, len(digests), len(fetch), done, True)
 
 
-def _download(remote: S3Remote, store: Store, digest: str, size: int, stored_size: int,
+def _download(remote: Remote, store: Store, digest: str, size: int, stored_size: int,
               on_bytes: Callable[[int], None], where: str) -> Path:
     """One remote blob into a verified staging file (see ``stage_verified``)."""
     try:
@@ -326,8 +322,8 @@ def _safe_code_paths(code: Any) -> bool:
     return True
 
 
-def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any],
-                      trusted: frozenset[str] = frozenset()) -> Entry | None:
+def find_remote_entry(manifest: Any, remote: Remote, machine: dict[str, Any],
+                      trusted: TrustPolicy = NO_KEYS) -> Entry | None:
     """The remote entry ``manifest`` compiles to on this machine (``machine``:
     ``aotc.lookup.toolchain.machine_factors``): the newest behind the manifest's probe marker whose
     recorded source files still hash the same here. None when there is none; the damage found
@@ -356,7 +352,7 @@ def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any],
         code = entry.factors.get("code", {})
         if not _safe_code_paths(code):
             continue
-        if not getattr(trusted, "allow_unsigned", False) and payload_state(
+        if not trusted.allow_unsigned and payload_state(
                 Store.signing_payload(entry), remote_signatures(remote, key), trusted) != "trusted":
             untrusted += 1
             continue
@@ -375,8 +371,8 @@ def find_remote_entry(manifest: Any, remote: S3Remote, machine: dict[str, Any],
     return None
 
 
-def pull_for_manifest(manifest: Any, remote: S3Remote, store: Store, machine: dict[str, Any],
-                      trusted: frozenset[str] = frozenset(),
+def pull_for_manifest(manifest: Any, remote: Remote, store: Store, machine: dict[str, Any],
+                      trusted: TrustPolicy = NO_KEYS,
                       progress: Progress | None = None) -> Transfer | None:
     """Pull the remote entry ``manifest`` compiles to on this machine; None when the remote has
     none (a miss there too)."""
@@ -386,7 +382,7 @@ def pull_for_manifest(manifest: Any, remote: S3Remote, store: Store, machine: di
     return pull_entry(remote, store, entry.key, trusted, progress, entry=entry)
 
 
-def remote_key_for(remote: S3Remote, text: str) -> str:
+def remote_key_for(remote: Remote, text: str) -> str:
     """A full remote key from a key or a unique prefix of one (>= 8 hex chars)."""
     from aotc.lookup.explain import match_key
 
