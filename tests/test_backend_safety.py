@@ -288,3 +288,83 @@ def test_a_process_that_configures_no_logging_sees_aotc_warnings_only(tmp_path: 
     told = [ln for ln in after.splitlines() if ln.startswith("aotc:")]
     assert any(ln.startswith("aotc: graph ") and " miss: compiled " in ln for ln in told), after[-2000:]
     assert "[" in after and "] split:" in after  # progress lines at INFO too
+
+
+def test_a_numeric_report_of_no_size_raises() -> None:
+    """A check that compared nothing proves nothing: nothing is stored on its word."""
+    from aotc.errors import NumericMismatchError
+    from aotc.runtime.checking import Comparison, NumericReport
+
+    with pytest.raises(NumericMismatchError, match="ran at no size.*nothing was stored"):
+        NumericReport(1e-3, 1e-3).finish("compiled graph differs from the graph run eagerly", "fix it")
+    report = NumericReport(1e-3, 1e-3)
+    report.add("4", Comparison(max_abs_err=1e-6))
+    assert report.finish("differs", "fix")["sizes"] == {"4": {"max_abs_err": 1e-6, "max_rel_err": 0.0}}
+
+
+class _Embedder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.proj = torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(self.embed(ids))) * 2
+
+
+def test_inputs_above_the_traced_size_repeat_the_example() -> None:
+    """The check's inputs at a size above the traced one: each token dim grown by repeating the
+    traced example (token ids stay in the vocabulary), laid out as the graph says; an input with
+    nothing to repeat cannot be made."""
+    from aotc.backend import build
+
+    seen: dict = {}
+
+    def record(gm, example_inputs):
+        seen.update(gm=gm, inputs=list(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = _Embedder()
+    ids = torch.tensor([3, 49, 0, 7, 12])
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch.compile(model, backend=record, fullgraph=True)(ids)
+    base = build._concrete_inputs(seen["gm"], seen["inputs"])
+    assert build._traced_size(seen["gm"], base) == 5
+    for n in (2, 5, 12):
+        made = build._at_size(seen["gm"], base, n)
+        assert made is not None
+        grown = [x for x in made if isinstance(x, torch.Tensor) and x.dtype == torch.int64]
+        assert len(grown) == 1 and torch.equal(grown[0], ids.repeat(3)[:n])
+        assert any(type(x) is int and x == n for x in made)  # the size symbol
+    assert build._checkable(seen["gm"], seen["inputs"], [2, 12]) == ([2, 12], [])
+    assert build._input_at(torch.empty(0, 3), [4, 3], [3, 1]) is None
+    assert build._input_at(torch.arange(6.0).reshape(2, 3), [5, 3], [1, 5]).stride() == (1, 5)
+
+
+@pytest.mark.slow
+def test_compile_sizes_above_the_traced_size_are_checked(tmp_path: Path) -> None:
+    """Every stored static artifact is checked: compile sizes above the size Dynamo traced at
+    are in the entry's numeric report (they were stored unchecked)."""
+    import aotc
+    from aotc.cache import Store
+
+    torch._dynamo.reset()
+    model = _Embedder()
+    backend = aotc.backend(store=str(tmp_path / "s"), compile_sizes=[2, 16], fallback="error")
+    fn = torch.compile(model, backend=backend, fullgraph=True)
+    ids = torch.tensor([3, 49, 0, 7, 12])
+    torch._dynamo.mark_dynamic(ids, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(ids), model(ids))
+    assert backend.last["hit"] is False
+    checked = set(backend.last["numerics"]["sizes"])
+    assert {"2", "5", "16"} <= checked, checked
+    s = Store(tmp_path / "s")
+    try:
+        assert set(s.get(backend.last["key"], record=False).metadata["numerics"]["sizes"]) == checked
+    finally:
+        s.close()
+    big = torch.randint(0, 50, (16,))
+    with torch.no_grad():
+        torch.testing.assert_close(fn(big), model(big))

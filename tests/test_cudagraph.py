@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import aotc
-from aotc.model.build import make_inputs
-from aotc.runtime.cudagraph import GraphSet, capture
 from aotc.errors import LoadError
 from aotc.manifest import load_manifest
+from aotc.model.build import make_inputs
+from aotc.runtime.cudagraph import GraphSet, capture
 from tests.conftest import toy_manifest
 from tests.helpers.emulated_graph import EmulatedGraph, HostSyncDuringCapture
 
@@ -52,9 +52,35 @@ def test_graphs_replay_matches_eager_at_every_size(compiled, mode) -> None:
 def test_mode_none_and_bad_modes(compiled) -> None:
     _tmp, store, results = compiled
     runner = aotc.load(results[2][0], store=store)
-    assert capture(runner, "none", [4]) is None and runner.piece_hook is None
+    table = dict(runner._modules)
+    assert capture(runner, "none", [4]) is None
     with pytest.raises(LoadError, match="expected piecewise or full"):
         GraphSet(runner, "sometimes", graph_cls=EmulatedGraph)
+    assert runner._modules == table  # nothing was put on the runner
+
+
+def test_capture_leaves_the_loaded_runner_as_it_was(compiled) -> None:
+    """Composition: the graphs are captured around a runner of their own, built from the same
+    artifacts with each compiled piece wrapped; the loaded runner's piece table is untouched and
+    it still runs without graphs, and a graphed runner cannot be captured again."""
+    _tmp, store, results = compiled
+    manifest = load_manifest(results[2][0])
+    plain = aotc.load(manifest, store=store)
+    table = dict(plain._modules)
+    graphed = capture(plain, "piecewise", [4, 2], graph_cls=EmulatedGraph, device="cpu")
+    assert graphed is not None and graphed.runner is not plain
+    assert plain._modules == table and plain.graphs is None
+    kinds = {p.name: p.kind for p in plain.program.pieces}
+    for name, call in graphed.runner._modules.items():
+        assert (type(call).__name__ == "_GraphedPiece") == (kinds[name] == "compiled")
+    assert graphed.program is plain.program and graphed.model is plain.model
+    assert graphed.key == plain.key and graphed.timings is plain.timings
+    x = make_inputs(manifest, 3, seed=9)
+    torch.testing.assert_close(graphed(*x), plain(*x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(LoadError, match="already captured"):
+        capture(graphed, "piecewise", [4], graph_cls=EmulatedGraph, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        graphed.bound_buffers  # noqa: B018 - what a caller may read is named, nothing forwarded
 
 
 def test_the_stand_in_captures_as_cuda_does() -> None:

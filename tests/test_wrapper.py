@@ -7,11 +7,7 @@ import shutil
 import pytest
 import torch
 
-from aotc._torch import inductor_compile
-
-from aotc._torch import inductor_load
-
-from aotc._torch import wrapper
+from aotc._torch import inductor_compile, inductor_load, wrapper
 from tests.fixtures.small_graphs import mutating_graph, sigmoid_times_three_graph
 
 HEADER = "import torch\nfrom torch._inductor.async_compile import AsyncCompile\n"
@@ -86,3 +82,40 @@ def test_a_kernel_not_recorded_is_refused_at_load(tmp_path) -> None:
     with pytest.raises(ImportError, match="not recorded"):
         wrapper.load(forged, cp.kernel_root)
     assert torch.equal(wrapper.load(code, cp.kernel_root)(x)[0], torch.sigmoid(x) * 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_bit_for_bit_means_bits_nan_is_not_zero_and_inf_is_not_the_largest_float(dtype) -> None:
+    """The fast path is recorded only when it returns exactly what Inductor's artifact does:
+    a NaN where Inductor has 0, +inf where it has the largest float, -0.0 where it has 0.0
+    are differences (``nan_to_num`` hid the first two)."""
+    big = torch.finfo(dtype).max
+    want = torch.tensor([1.0, float("nan"), float("inf"), 0.0], dtype=dtype)
+    assert wrapper.same_outputs([want], [want.clone()])  # the same NaN is the same bits
+    for i, value in [(1, 0.0), (2, big), (3, -0.0)]:
+        got = want.clone()
+        got[i] = value
+        assert not wrapper.same_outputs([want], [got]), (i, value)
+        assert not wrapper.same_outputs([got], [want]), (i, value)
+    scalar_nan, scalar_zero = torch.tensor(float("nan"), dtype=dtype), torch.tensor(0.0, dtype=dtype)
+    assert wrapper.same_outputs([scalar_nan], [scalar_nan.clone()])  # 0-dim
+    assert not wrapper.same_outputs([scalar_nan], [scalar_zero])
+    grid = torch.arange(12, dtype=dtype).reshape(3, 4)
+    grid[1, 2] = float("nan")
+    view, other = grid.t(), grid.clone().t()  # non-contiguous, same strides
+    assert wrapper.same_outputs([view], [other])
+    other[2, 1] = 0.0
+    assert not wrapper.same_outputs([view], [other])
+    assert wrapper.same_outputs([want], [torch.zeros(4, dtype=dtype)], undefined=frozenset({0}))
+
+
+def test_bit_for_bit_for_bool_int_and_complex() -> None:
+    b = torch.tensor([True, False, True])
+    assert wrapper.same_outputs([b], [b.clone()]) and not wrapper.same_outputs([b], [~b])
+    i = torch.tensor([[1, -2], [3, 4]], dtype=torch.int64)
+    assert wrapper.same_outputs([i, 7], [i.clone(), 7]) and not wrapper.same_outputs([i], [i + 1])
+    assert wrapper.same_bits(torch.tensor(5, dtype=torch.uint8), torch.tensor(5, dtype=torch.uint8))
+    c = torch.tensor([1 + 2j, complex(float("nan"), 0)])
+    assert wrapper.same_outputs([c], [c.clone()])
+    assert not wrapper.same_outputs([c], [torch.tensor([1 + 2j, 0j])])
+    assert not wrapper.same_bits(torch.zeros(2), torch.zeros(2, dtype=torch.float64))

@@ -293,9 +293,32 @@ def load(code: WrapperCode, kernel_root: Path) -> Callable[..., list[torch.Tenso
     return run
 
 
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether two tensors of one shape hold the same bit pattern in every element: a NaN only
+    equals a NaN of the same bits (never 0), ±inf only ±inf (never the largest float), -0.0 is
+    not 0.0. A floating, complex or bool tensor is compared as the integers of its width (made
+    contiguous first; 0-dim included); a tensor subclass by its inner tensors."""
+    if x.dtype != y.dtype or x.shape != y.shape or (is_subclass(x) or is_subclass(y)) and type(x) is not type(y):
+        return False
+    if is_subclass(x):
+        attrs, ctx = x.__tensor_flatten__()  # type: ignore[attr-defined]  # is_subclass checked it
+        same_layout = y.__tensor_flatten__() == (attrs, ctx)  # type: ignore[attr-defined]  # the same subclass
+        return same_layout and all(same_bits(getattr(x, n), getattr(y, n)) for n in attrs)
+    x, y = x.detach().resolve_conj().resolve_neg(), y.detach().resolve_conj().resolve_neg()
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    ints = _INT_OF_WIDTH.get(x.element_size())
+    if ints is not None and (x.dtype.is_floating_point or x.dtype == torch.bool):
+        x, y = x.contiguous().view(ints), y.contiguous().view(ints)
+    return bool(torch.equal(x, y))
+
+
 def same_outputs(a: Sequence[Any], b: Sequence[Any], undefined: frozenset[int] = frozenset()) -> bool:
-    """True when two output lists are identical: shapes, strides, dtypes and every bit.
-    Outputs at ``undefined`` positions (allocated by the piece but written by a later piece,
+    """True when two output lists are identical: shapes, strides, dtypes and every bit
+    (:func:`same_bits`). Outputs at ``undefined`` positions (allocated by the piece but written by a later piece,
     e.g. an out-variant attention's ``output``) are compared by shape, stride and dtype only:
     their contents are whatever the allocator handed out."""
     if len(a) != len(b):
@@ -311,8 +334,7 @@ def same_outputs(a: Sequence[Any], b: Sequence[Any], undefined: frozenset[int] =
             continue
         if x.shape != y.shape or x.stride() != y.stride() or x.dtype != y.dtype:
             return False
-        if i not in undefined and not torch.equal(x, y) \
-                and not torch.equal(x.nan_to_num(), y.nan_to_num()):
+        if i not in undefined and not same_bits(x, y):
             return False
     return True
 

@@ -7,10 +7,15 @@ graph run eagerly (the reference), once with the compiled artifacts; the splitti
 (attention) run eagerly in both. Each run has its own copy of every input that is not a
 parameter, so inputs written in place (a cache) are compared as outputs. An out-variant attention
 op's output buffer that the graph itself allocates (``torch.empty``, vLLM's ``output``) is zeroed
-before the op runs, in both runs: where the op leaves it untouched (vLLM's profile run has no
-attention metadata) both sides then read zeros, not two different pieces of uninitialised memory.
-Sizes checked: the traced one, each compile size and one small dynamic size, with the inputs'
-token dims narrowed from the traced example (a size above it cannot be made and is skipped).
+before the op runs, in both runs (both programs are built with a ``wrap_splitting`` that does it):
+where the op leaves it untouched (vLLM's profile run has no attention metadata) both sides then
+read zeros, not two different pieces of uninitialised memory.
+
+Sizes checked: the traced one, EVERY compile size and one small dynamic size, the inputs' token
+dims cut from the traced example or grown by repeating it along them (values stay valid: token
+ids in the vocabulary). All that is stored is checked: a compile size whose inputs cannot be made
+(no rows to repeat) is dropped before compiling, with a warning — the checked dynamic artifact
+serves it; better than failing the whole graph over one size — and a check of no size raises.
 """
 
 from __future__ import annotations
@@ -28,14 +33,18 @@ from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, piece_uid
 from aotc.compile.split import SplitResult, split
 from aotc.errors import NumericMismatchError
+from aotc.log import logger
 from aotc.lookup.toolchain import fingerprint
 from aotc.progress import Progress
 from aotc.records.graphcode import encode_graph
 from aotc.records.program import Program, Slot
 from aotc.runtime.checking import Comparison, NumericReport, compare_outputs, flat_tensors, tensor_errors
 from aotc.runtime.graphcall import GraphRunner
+from aotc.runtime.stitched import PieceWrap
 
 __all__ = ["build_entry", "computed_float_dtype", "float_dtype", "graph_slots", "is_training"]
+
+_log = logger("backend")
 
 
 def graph_slots(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Slot, ...]:
@@ -146,8 +155,24 @@ def _concrete_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
     return out
 
 
+def _input_at(x: torch.Tensor, shape: list[int], strides: list[int]) -> torch.Tensor | None:
+    """One tensor input at ``shape``, laid out as the graph says (``strides``): cut from ``x``,
+    or ``x`` repeated whole along each dim that must grow and then cut; None when it cannot be
+    made (a dim to grow that is empty, or of a broadcast view)."""
+    if len(shape) != x.dim():
+        return None
+    reps = [1 if w <= h else -(-w // h) if h and 0 not in strides else 0 for w, h in zip(shape, x.shape)]
+    if 0 in reps:
+        return None
+    part = (x.repeat(*reps) if max(reps, default=1) > 1 else x)[tuple(slice(0, w) for w in shape)]
+    if list(part.stride()) == strides or 0 in strides:  # (a broadcast view, cut: as it is)
+        return part
+    return torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device).copy_(part)
+
+
 def _at_size(gm: torch.fx.GraphModule, inputs: Sequence[Any], n: int | None) -> list[Any] | None:
-    """The inputs with every token dim narrowed to ``n`` (None: as traced); None if impossible."""
+    """The inputs with every token dim at ``n`` (None: as traced): cut from the traced example,
+    or grown by repeating it (module doc); None when a size cannot be made."""
     if n is None:
         return list(inputs)
     nodes = [p for p in gm.graph.nodes if p.op == "placeholder"]
@@ -159,17 +184,40 @@ def _at_size(gm: torch.fx.GraphModule, inputs: Sequence[Any], n: int | None) -> 
         elif isinstance(val, torch.Tensor) and isinstance(x, torch.Tensor) \
                 and any(isinstance(s, torch.SymInt) for s in val.shape):
             shape = [inductor_compile.concrete_size(s, n) for s in val.shape]
-            if any(want > have for want, have in zip(shape, x.shape)):
-                return None
             strides = [inductor_compile.concrete_size(s, n) for s in val.stride()]
-            part = x[tuple(slice(0, w) for w in shape)]  # laid out as the graph says at n
-            if list(part.stride()) == strides or 0 in strides:  # (a broadcast view: as it is)
-                out.append(part)
-            else:
-                out.append(torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device).copy_(part))
+            made = _input_at(x, shape, strides)
+            if made is None:
+                return None
+            out.append(made)
         else:
             out.append(x)
     return out
+
+
+def _checkable(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+               sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The compile sizes the check can make inputs for, and those it cannot (module doc)."""
+    try:
+        base = _concrete_inputs(gm, example_inputs)
+    except NumericMismatchError:  # the check itself says why, before anything is stored
+        return list(sizes), []
+    ok: list[int] = []
+    bad: list[int] = []
+    for n in sizes:
+        (ok if _at_size(gm, base, n) is not None else bad).append(n)
+    return ok, bad
+
+
+def _traced_size(gm: torch.fx.GraphModule, base: Sequence[Any]) -> int | None:
+    """The token count the graph was traced at: its first size symbol's value, else the extent
+    of the first tensor dim that is a bare symbol; None for a static graph."""
+    symbols = [x for x in base if isinstance(x, int) and not isinstance(x, bool)]
+    if symbols:
+        return symbols[0]
+    for slot, x in zip(graph_slots(gm, base), base):
+        if slot.kind == "input" and slot.dim is not None and isinstance(x, torch.Tensor):
+            return int(x.shape[slot.dim])
+    return None
 
 
 def _zeroed_outputs(parts: SplitResult) -> dict[str, list[int]]:
@@ -200,29 +248,38 @@ def _copy(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
-def _run(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[int]]) -> tuple[Any, list[Any]]:
+def _zeroing(zero: dict[str, list[int]]) -> PieceWrap:
+    """The check's ``wrap_splitting``: a splitting piece with positions in ``zero`` (see
+    :func:`_zeroed_outputs`) gets those inputs zeroed before it runs; any other is as it is."""
+
+    def wrap(name: str, call: Any) -> Any:
+        positions = tuple(zero.get(name, ()))
+        if not positions:
+            return call
+
+        def zeroed(*args: Any) -> Any:
+            for i in positions:
+                if isinstance(args[i], torch.Tensor):
+                    args[i].zero_()
+            return call(*args)
+
+        return zeroed
+
+    return wrap
+
+
+def _run(runner: GraphRunner, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     mine = [_copy(x) if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
             else x for x in inputs]
-
-    def hook(name: str, call: Any, args: Sequence[Any]) -> Any:
-        for i in zero.get(name, ()):
-            if isinstance(args[i], torch.Tensor):
-                args[i].zero_()
-        return call(*args)
-
-    runner.splitting_hook = hook
-    try:
-        return flat_tensors(runner(*mine)), mine
-    finally:
-        runner.splitting_hook = None
+    return flat_tensors(runner(*mine)), mine
 
 
-def _gradients(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[int]],
+def _gradients(runner: GraphRunner, inputs: Sequence[Any],
                leaves: list[torch.Tensor]) -> tuple[list[bool], list[Any]]:
     """Which outputs carry a grad_fn, and the gradients of a fixed weighted sum of those
     outputs w.r.t. ``leaves``."""
     with torch.enable_grad():
-        outs, _ = _run(runner, inputs, zero)
+        outs, _ = _run(runner, inputs)
         flags = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
         outs = [o for o, f in zip(outs, flags) if f]
         if not outs:
@@ -233,12 +290,12 @@ def _gradients(runner: GraphRunner, inputs: Sequence[Any], zero: dict[str, list[
 
 
 def _compare_gradients(runner: GraphRunner, reference: GraphRunner, inputs: Sequence[Any],
-                       zero: dict[str, list[int]], atol: float, rtol: float) -> Comparison:
+                       atol: float, rtol: float) -> Comparison:
     """A training graph's gradients (of every input that requires grad: the weights), compiled
     backward vs the graph's own backward run eagerly."""
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    want_flags, want = _gradients(reference, inputs, zero, leaves)
-    got_flags, got = _gradients(runner, inputs, zero, leaves)
+    want_flags, want = _gradients(reference, inputs, leaves)
+    got_flags, got = _gradients(runner, inputs, leaves)
     result = Comparison()
     if got_flags != want_flags:
         result.failures.append(f"outputs with a grad_fn: {got_flags}, eager: {want_flags}")
@@ -253,31 +310,33 @@ def _compare_gradients(runner: GraphRunner, reference: GraphRunner, inputs: Sequ
 
 
 def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
-          example_inputs: Sequence[Any], parts: SplitResult, sizes: Sequence[int],
+          example_inputs: Sequence[Any], sizes: Sequence[int],
           atol: float, rtol: float) -> dict[str, Any]:
-    """Compare the compiled program with the graph run eagerly (module doc); raise above the
-    tolerance. Returns the figures per size."""
+    """Compare the compiled program with the graph run eagerly (module doc) at the traced size,
+    every compile size in ``sizes`` and one small dynamic size; raise above the tolerance, or
+    when a compile size cannot be checked. Returns the figures per size."""
     base = _concrete_inputs(gm, example_inputs)
-    symbols = [x for x in base if isinstance(x, int) and not isinstance(x, bool)]
-    traced = symbols[0] if symbols else None
+    traced = _traced_size(gm, base)
     wanted: list[int | None] = [None]
     if traced is not None:
         wanted += [n for n in sorted({*sizes, min(3, traced)}) if n != traced]
-    zero = _zeroed_outputs(parts)
     report = NumericReport(atol, rtol)
     skipped: list[int] = []
     for n in wanted:
         inputs = _at_size(gm, base, n)
         if inputs is None:
+            if n in sizes:  # a static artifact would be stored unchecked
+                raise NumericMismatchError(f"compile size {n} cannot be checked (its inputs cannot "
+                                           "be made from the traced example); nothing was stored")
             skipped.append(int(n or 0))
             continue
         with torch.no_grad():
-            want, theirs = _run(reference, inputs, zero)
-            got, mine = _run(runner, inputs, zero)
+            want, theirs = _run(reference, inputs)
+            got, mine = _run(runner, inputs)
         label = str(traced if n is None else n) if traced is not None else "static"
         report.add(label, compare_outputs(got, want, inputs, mine, theirs, atol, rtol))
         if runner.program.training:
-            report.add(f"{label} (gradients)", _compare_gradients(runner, reference, inputs, zero,
+            report.add(f"{label} (gradients)", _compare_gradients(runner, reference, inputs,
                                                                   atol, rtol))
     return report.finish("compiled graph differs from the graph run eagerly",
                          "pass aotc.backend(tolerance=…) or check the model", skipped_sizes=skipped)
@@ -286,9 +345,10 @@ def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
 def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: Any, key: str,
                 factors: dict[str, Any], *, name: str, ops: Sequence[str], sizes: Sequence[int],
                 options: dict[str, Any], atol: float, rtol: float,
-                progress: Progress) -> dict[str, Any]:
+                progress: Progress, signer: Any = None) -> dict[str, Any]:
     """Split ``gm``, then the compile core (:func:`aotc.compile.core.build`) with the graph's
-    own check (module doc); returns the entry's metadata. Nothing is stored when a step fails."""
+    own check (module doc); returns the entry's metadata. Nothing is stored when a step fails.
+    ``signer``: signs the put in its transaction (:func:`aotc.compile.core.build`)."""
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
@@ -308,9 +368,17 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
             first_of.setdefault(uid, p)
     slots = graph_slots(gm, example_inputs)
     dynamic = any(s.kind == "symbol" or s.dim is not None for s in slots)
+    warnings = list(parts.warnings)
+    sizes, dropped = _checkable(gm, example_inputs, sizes) if dynamic else (list(sizes), [])
+    if dropped:
+        note = (f"compile sizes {dropped} are not compiled: the numeric check cannot make inputs "
+                "of that many tokens from the traced example (nothing to repeat), and nothing "
+                "unchecked is stored; the dynamic artifact serves them")
+        _log.warning(f"aotc: warning: graph {key[:16]}…: {note}")
+        warnings.append(note)
     seconds["split"] = time.perf_counter() - t
     progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
-    for w in parts.warnings:
+    for w in parts.warnings:  # (a dropped size: logged as a warning above)
         progress.note(w)
     program = Program(
         name=name, device=device, dtype=str(float_dtype(example_inputs)).removeprefix("torch."),
@@ -320,17 +388,18 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         dynamic_mode="backed" if dynamic else "static", min_dynamic_tokens=1, source_files={},
         training=training)
     eager_pieces = {p.name: p.gm for p in parts.pieces if not p.is_splitting}
+    zeroed = _zeroing(_zeroed_outputs(parts))
 
     def graph_check(prog: Program, by_uid: dict[str, dict[int | None, Any]]) -> dict[str, Any]:
-        runner = GraphRunner(prog, by_uid, key)
-        reference = GraphRunner(prog, {}, key, modules=eager_pieces)
-        return check(runner, reference, gm, example_inputs, parts, sizes if dynamic else (), atol, rtol)
+        runner = GraphRunner(prog, by_uid, key, wrap_splitting=zeroed)
+        reference = GraphRunner(prog, {}, key, modules=eager_pieces, wrap_splitting=zeroed)
+        return check(runner, reference, gm, example_inputs, sizes if dynamic else (), atol, rtol)
 
     job = Job(key=key, name=name, factors=factors, first_of=first_of,
               shapes=[None, *sizes] if dynamic else [None], options=options, program=program,
-              check=graph_check, metadata={"kind": "graph", "warnings": list(parts.warnings)},
+              check=graph_check, metadata={"kind": "graph", "warnings": warnings},
               around_check=dynamo.outside_trace)
-    built = build(store, job, progress, seconds)
+    built = build(store, job, progress, seconds, signer=signer)
     for w in built.warnings:
         progress.note(w)
     return dict(built.entry.metadata)

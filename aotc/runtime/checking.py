@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from aotc._torch.subclass import is_subclass
+from aotc._torch.wrapper import same_bits
 
 
 def flat_tensors(out: Any) -> list[Any]:
@@ -52,15 +52,10 @@ def tensor_errors(got: Any, want: Any, atol: float, rtol: float) -> tuple[float,
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Every element equal, NaN equal to NaN (an uninitialised buffer may hold NaNs); a tensor
+    """The same bits in every element (a NaN equals a NaN of the same bits, as an uninitialised
+    buffer left alone does, and never 0: a buffer that went from 0 to NaN changed); a tensor
     subclass (a quantized weight) by its inner tensors."""
-    if is_subclass(a):
-        attrs, ctx = a.__tensor_flatten__()  # type: ignore[attr-defined]  # is_subclass checked it
-        if type(b) is not type(a) or b.__tensor_flatten__() != (attrs, ctx):  # type: ignore[attr-defined]  # the same subclass
-            return False
-        return all(same(getattr(a, n), getattr(b, n)) for n in attrs)
-    return bool(torch.equal(a, b) or (a.dtype.is_floating_point and a.shape == b.shape
-                                      and torch.equal(a.nan_to_num(), b.nan_to_num())))
+    return same_bits(a, b)
 
 
 def compare_runs(compiled: Callable[..., Any], eager: Callable[..., Any], inputs: Sequence[Any],
@@ -126,10 +121,13 @@ class NumericReport:
     def finish(self, differs: str, fix: str, dtype: str = "", **extra: Any) -> dict[str, Any]:
         """The figures as stored with the entry; raises :class:`NumericMismatchError` (``differs``
         from what, beyond the tolerance — for ``dtype`` when given; ``fix``: what the user can
-        do) when a size failed."""
-        if self.failures:
-            from aotc.errors import NumericMismatchError
+        do) when a size failed, or when no size was checked at all (nothing unchecked is stored)."""
+        from aotc.errors import NumericMismatchError
 
+        if not self.sizes:
+            raise NumericMismatchError(f"the numeric check ran at no size: whether the {differs} is "
+                                       f"not known; nothing was stored ({fix})")
+        if self.failures:
             raise NumericMismatchError(
                 f"{differs} beyond atol={self.atol}, rtol={self.rtol}" + (f" ({dtype})" if dtype else "")
                 + ": " + "; ".join(self.failures[:6]) + f"; nothing was stored ({fix})")

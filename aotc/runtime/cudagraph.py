@@ -36,7 +36,9 @@ from aotc.errors import LoadError
 from aotc.runtime.checking import flat_tensors, kept
 
 if TYPE_CHECKING:
+    from aotc.records.program import Program
     from aotc.runtime.runner import Runner
+    from aotc.runtime.stitched import Timings
 
 MODES = ("none", "piecewise", "full")
 
@@ -88,15 +90,30 @@ def _as_list(out: Any) -> list[Any]:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
+class _GraphedPiece:
+    """One compiled piece of a graph set's runner: its callable, run plainly or captured /
+    replayed for the capture size in flight (:meth:`GraphSet.piece`)."""
+
+    __slots__ = ("graphs", "name", "call")
+
+    def __init__(self, graphs: GraphSet, name: str, call: Callable[..., Any]) -> None:
+        self.graphs, self.name, self.call = graphs, name, call
+
+    def __call__(self, *args: Any) -> Any:
+        return self.graphs.piece(self.name, self.call, args)
+
+
 class GraphSet:
-    """The captured graphs of one Runner. Created by :func:`capture`; :class:`GraphedRunner`
-    asks :meth:`serves` / :meth:`run` per call, and the runner's compiled pieces go through
-    :meth:`piece` (its ``piece_hook``)."""
+    """The captured graphs of one runner. Created by :func:`capture`; :class:`GraphedRunner`
+    asks :meth:`serves` / :meth:`run` per call. Piecewise, it runs a runner of its own
+    (:attr:`runner`: the given one's program, artifacts and model, each compiled piece wrapped
+    by :meth:`wrap` as the piece table is built, as vLLM's ``CUDAGraphWrapper`` wraps a piece);
+    the runner given is left as it is. Full, the given runner itself, run inside one graph."""
 
     def __init__(self, runner: Runner, mode: str, graph_cls: type[CudaGraph] = CudaGraph) -> None:
         if mode not in MODES or mode == "none":
             raise LoadError(f"cudagraph mode {mode!r}: expected piecewise or full")
-        self.runner, self.mode, self.graph_cls = runner, mode, graph_cls
+        self.mode, self.graph_cls = mode, graph_cls
         self.pool = graph_cls.new_pool()
         self.sizes: list[int] = []
         self.report = GraphReport(mode)
@@ -106,6 +123,7 @@ class GraphSet:
         self._full: dict[int, tuple[_Captured, list[torch.Tensor]]] = {}
         self._stable: set[int] = {t.data_ptr() for t in runner.bound_tensors()}
         self.token_dims: list[int] = []  # per flat output (output_token_dims), set by capture()
+        self.runner: Runner = runner.wrapped(wrap_piece=self.wrap) if mode == "piecewise" else runner
 
     # -- per call ---------------------------------------------------------------------------
     def serves(self, n: int) -> int | None:
@@ -129,6 +147,10 @@ class GraphSet:
                 finally:
                     self._local.state = None
             return _cut(out, n, self.token_dims)
+
+    def wrap(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        """Compiled piece ``name``'s callable in this set's runner (``wrap_piece``)."""
+        return _GraphedPiece(self, name, call)
 
     def piece(self, name: str, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         """Run compiled piece ``name``: plainly, or capture / replay its graph for this size."""
@@ -255,26 +277,43 @@ def output_token_dims(runner: Runner, sizes: Sequence[int]) -> list[int]:
 
 
 class GraphedRunner:
-    """A :class:`~aotc.runtime.runner.Runner` with CUDA graphs around it: a call of up to the
-    largest capture size replays its graphs, any other runs the runner plainly. Everything else
-    (``program``, ``model``, ``eager``, ``warmup``, ``timings`` …) is the runner's."""
+    """A runner with CUDA graphs around it: a call of up to the largest capture size replays
+    the graphs, any other runs the graph set's runner plainly. What callers read of a runner is
+    here by name (``program``, ``model``, ``key``, ``timings``, ``input_names``, ``eager``,
+    ``warmup``); :attr:`runner` is the runner it runs (piecewise: the graph set's own, its
+    pieces wrapped), :attr:`graphs` the graph set."""
 
-    _OWN = ("runner", "graphs")
+    def __init__(self, graphs: GraphSet) -> None:
+        self.graphs = graphs
+        self.runner: Runner = graphs.runner
 
-    def __init__(self, runner: Runner, graphs: GraphSet) -> None:
-        object.__setattr__(self, "runner", runner)
-        object.__setattr__(self, "graphs", graphs)
+    @property
+    def program(self) -> Program:
+        return self.runner.program
 
-    def __getattr__(self, name: str) -> Any:
-        if name in self._OWN or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.runner, name)
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:  # the runner's state (timings, model …) stays in one place
-            setattr(self.runner, name, value)
+    @property
+    def key(self) -> str:
+        return self.runner.key
+
+    @property
+    def timings(self) -> Timings:
+        return self.runner.timings
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.runner.input_names
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The bound model itself, called as the program is (:meth:`Runner.eager`)."""
+        return self.runner.eager(*args, **kwargs)
+
+    def warmup(self, sizes: Sequence[int] | None = None) -> float:
+        """Run every compiled artifact once without graphs (:meth:`Runner.warmup`)."""
+        return self.runner.warmup(sizes)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         inputs, n = self.runner.prepare(args, kwargs)
@@ -288,10 +327,14 @@ class GraphedRunner:
 def capture(runner: Runner, mode: str, sizes: Sequence[int], graph_cls: type = CudaGraph,
             device: str = "cuda") -> GraphedRunner | None:
     """Capture ``runner``'s graphs for each servable size in ``sizes``, largest first, in one
-    pool, and wrap it; None for mode ``none`` or no size. Raises ``LoadError`` when a capture
-    fails (the runner is then left as it was)."""
+    pool, and wrap it; None for mode ``none`` or no size. ``runner`` itself is never changed:
+    the graphs are captured around a runner built from its artifacts with each compiled piece
+    wrapped (:class:`GraphSet`). Raises ``LoadError`` when a capture fails."""
     if mode == "none":
         return None
+    if isinstance(runner, GraphedRunner):
+        raise LoadError("this runner's pieces are already captured into CUDA graphs; capture "
+                        "from the plain runner (its .runner) or load it again")
     program = runner.program
     servable = sorted({int(c) for c in sizes if 1 <= int(c) <= program.max_tokens and (
         int(c) >= program.min_dynamic_tokens or int(c) in program.compile_sizes)}, reverse=True)
@@ -301,21 +344,15 @@ def capture(runner: Runner, mode: str, sizes: Sequence[int], graph_cls: type = C
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     before = torch.cuda.memory_reserved() if cuda else 0
     t = time.perf_counter()
-    if runner.piece_hook is not None:
-        raise LoadError("this runner's pieces are already captured into CUDA graphs; load it "
-                        "again to capture another set")
     with kept(runner.bound_buffers()):  # the probe runs the model: its state (a KV cache) is kept
         graphs.token_dims = output_token_dims(runner, servable)
-    runner.piece_hook = graphs.piece  # the pieces route through it from here on
     with kept(runner.bound_buffers()):  # capture runs the model: its state (a KV cache) is kept
         for c in servable:
             try:
                 graphs.capture_size(c)
             except LoadError:
-                runner.piece_hook = None
                 raise
             except Exception as e:  # noqa: BLE001 - a capture error must name the size and the fix
-                runner.piece_hook = None
                 raise LoadError(f"capturing {mode} CUDA graphs at {c} tokens failed "
                                 f"({type(e).__name__}: {e}); use `cudagraph: piecewise` "
                                 "(attention eager) or `none`") from e
@@ -325,4 +362,4 @@ def capture(runner: Runner, mode: str, sizes: Sequence[int], graph_cls: type = C
     graphs.report.sizes = list(servable)
     graphs.report.pool_bytes = (torch.cuda.memory_reserved() - before) if cuda else 0
     runner.timings.add("capture", graphs.report.seconds)
-    return GraphedRunner(runner, graphs)
+    return GraphedRunner(graphs)

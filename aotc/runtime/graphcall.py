@@ -15,18 +15,22 @@ from typing import Any
 
 from aotc.errors import InputError
 from aotc.records.program import Program
-from aotc.runtime.stitched import Artifact, StitchedProgram, Timings
+from aotc.runtime.stitched import Artifact, PieceWrap, StitchedProgram, Timings
 
 __all__ = ["GraphRunner"]
 
 
 class GraphRunner(StitchedProgram):
-    """``runner(*graph_args)``: the stitched program of one Dynamo graph (see module doc)."""
+    """``runner(*graph_args)``: the stitched program of one Dynamo graph (see module doc).
+    ``modules``, ``wrap_piece``, ``wrap_splitting``: see
+    :class:`~aotc.runtime.stitched.StitchedProgram`."""
 
     def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
                  key: str = "", timings: Timings | None = None,
-                 modules: Mapping[str, Callable[..., Any]] | None = None) -> None:
-        super().__init__(program, artifacts, key, timings, modules)
+                 modules: Mapping[str, Callable[..., Any]] | None = None, *,
+                 wrap_piece: PieceWrap | None = None, wrap_splitting: PieceWrap | None = None) -> None:
+        super().__init__(program, artifacts, key, timings, modules, wrap_piece=wrap_piece,
+                         wrap_splitting=wrap_splitting)
         self._symbols = [int(s.index) for s in program.slots if s.kind == "symbol"]  # type: ignore[arg-type]  # a symbol slot has an index
         dims = [(int(s.index), int(s.dim)) for s in program.slots  # type: ignore[arg-type]  # an input slot with a dim has both
                 if s.kind == "input" and s.dim is not None]

@@ -16,7 +16,7 @@ from aotc.model.forward import ByName, unwrap
 from aotc.model.state import named_tensors
 from aotc.records.program import Program
 from aotc.runtime.checking import kept
-from aotc.runtime.stitched import Artifact, PieceCall, StitchedProgram, Timings, kernel_text
+from aotc.runtime.stitched import Artifact, PieceCall, PieceWrap, StitchedProgram, Timings, kernel_text
 
 __all__ = ["Runner"]
 
@@ -24,16 +24,27 @@ __all__ = ["Runner"]
 class Runner(StitchedProgram):
     """``runner(*inputs)`` or ``runner(name=tensor, …)``: the compiled model, bound to ``model``'s
     parameters and buffers (by their names in ``model``: the server's own module, e.g. what
-    ``transformers`` returns). Returns the declared output (a tuple when several are declared)."""
+    ``transformers`` returns). Returns the declared output (a tuple when several are declared).
+    ``wrap_piece`` / ``wrap_splitting``: see :class:`~aotc.runtime.stitched.StitchedProgram`."""
 
     def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
-                 model: torch.nn.Module, key: str = "", timings: Timings | None = None) -> None:
+                 model: torch.nn.Module, key: str = "", timings: Timings | None = None, *,
+                 wrap_piece: PieceWrap | None = None, wrap_splitting: PieceWrap | None = None) -> None:
         t0 = time.perf_counter()
-        super().__init__(program, artifacts, key, timings)
+        super().__init__(program, artifacts, key, timings, wrap_piece=wrap_piece,
+                         wrap_splitting=wrap_splitting)
         self.model = unwrap(model)
         self.input_names = tuple(str(s["name"]) for s in program.inputs)
         self._bind(self.model)
         self.timings.add("bind", time.perf_counter() - t0)
+
+    def wrapped(self, *, wrap_piece: PieceWrap | None = None,
+                wrap_splitting: PieceWrap | None = None) -> Runner:
+        """A new runner over this one's program, artifacts, model and timings whose pieces go
+        through the given wrappers (this runner is left as it is): how CUDA graphs are put
+        around the pieces."""
+        return Runner(self.program, self.artifacts, self.model, self.key, self.timings,
+                      wrap_piece=wrap_piece, wrap_splitting=wrap_splitting)
 
     def _bind(self, model: torch.nn.Module) -> None:
         state = named_tensors(model)

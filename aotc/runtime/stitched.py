@@ -1,10 +1,17 @@
 """What both runtimes of a stored program share (:class:`StitchedProgram`): the stitching graph,
 the table of its pieces — each compiled piece dispatched by the token count of the call in
 flight (that size's static artifact, else the dynamic one) and given its inputs in the layout it
-was compiled for; each splitting piece (attention) run eagerly — the hooks a CUDA-graph wrapper
-or a numeric check routes pieces through, and a kernel's failure named by piece and size.
-:class:`~aotc.runtime.runner.Runner` feeds it from a live module and the manifest's inputs,
-:class:`~aotc.runtime.graphcall.GraphRunner` from a Dynamo graph's own arguments."""
+was compiled for; each splitting piece (attention) run eagerly — and a kernel's failure named by
+piece and size. :class:`~aotc.runtime.runner.Runner` feeds it from a live module and the
+manifest's inputs, :class:`~aotc.runtime.graphcall.GraphRunner` from a Dynamo graph's own
+arguments.
+
+Wrappers compose, in the shape of vLLM's ``CUDAGraphWrapper``: a program is built with
+``wrap_piece`` / ``wrap_splitting`` (``wrap(name, call) -> call``), each applied once to every
+compiled / splitting piece as the piece table is built (a CUDA graph set captures and replays
+compiled pieces; the compile-time check zeroes an attention op's output buffer). Nothing is
+swapped on a built program: another wrapping is another program over the same artifacts. With
+no wrapper the table holds the plain callables, so a call pays nothing for the seam."""
 
 from __future__ import annotations
 
@@ -20,16 +27,18 @@ from aotc.errors import AotcError, InputError, RunError
 from aotc.records.graphcode import GraphProgram
 from aotc.records.program import Program
 
-__all__ = ["Artifact", "PieceCall", "SplittingCall", "StitchedProgram", "Timings", "in_layouts",
-           "kernel_text"]
+__all__ = ["Artifact", "PieceCall", "PieceWrap", "SplittingCall", "StitchedProgram", "Timings",
+           "in_layouts", "kernel_text"]
 
 Artifact = Callable[..., Sequence[torch.Tensor]]
+# ``wrap(piece name, its callable) -> the callable the stitch calls in its place``
+PieceWrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 _PATH = re.compile(r"(?:/[^\s:,'\"]+)+\.(?:cpp|h|py|so)(?::\d+)?")  # compile-time staging paths
 
 
 class PieceCall:
     """Calls a compiled piece's artifact for the runner's current token count (a runner has
-    ``current_tokens``, ``piece_hook`` and ``kernel_error``)."""
+    ``current_tokens`` and ``kernel_error``)."""
 
     def __init__(self, runner: Any, name: str, uid: str, by_size: Mapping[int | None, Artifact],
                  returns_tuple: bool = True, layouts: Sequence[Sequence[int] | None] | None = None) -> None:
@@ -47,9 +56,8 @@ class PieceCall:
         if fn is None:
             raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
                              f"(static sizes: {sorted(k for k in self.by_size if k)})")
-        hook = self.runner.piece_hook
         try:
-            out = fn(*args) if hook is None else hook(self.name, fn, args)
+            out = fn(*args)
         except RuntimeError as e:  # a kernel's own check (an index out of range, ...)
             if type(e) is not RuntimeError:  # out of memory and the like: the caller's to handle
                 raise
@@ -119,46 +127,35 @@ def kernel_text(e: BaseException) -> str:
     return re.sub(r"^kernel,\s*(?::\d+)?,\s*", "", text)[:300]  # "kernel, <path>:44, why"
 
 
-class _HookedSplitting:
-    """A splitting piece run through its program's ``splitting_hook`` when one is set."""
-
-    def __init__(self, owner: StitchedProgram, name: str, call: SplittingCall) -> None:
-        self.owner, self.name, self.call = owner, name, call
-
-    def __call__(self, *args: Any) -> Any:
-        hook = self.owner.splitting_hook
-        return self.call(*args) if hook is None else hook(self.name, self.call, args)
-
-
 class StitchedProgram:
     """A program's stitch over its pieces (module doc). ``modules`` replaces compiled pieces by
     name (the compile-time reference runs the pieces' own graphs eagerly through the same
-    stitch)."""
+    stitch). ``wrap_piece`` / ``wrap_splitting``: applied to each compiled / splitting piece's
+    callable as the table is built (module doc); ``artifacts`` is kept, so that a program with
+    other wrappers can be built over the same artifacts."""
 
     graphs: Any = None  # no CUDA graphs (a GraphedRunner around a Runner has them)
 
     def __init__(self, program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
                  key: str = "", timings: Timings | None = None,
-                 modules: Mapping[str, Callable[..., Any]] | None = None) -> None:
-        self.program, self.key = program, key
+                 modules: Mapping[str, Callable[..., Any]] | None = None,
+                 wrap_piece: PieceWrap | None = None, wrap_splitting: PieceWrap | None = None) -> None:
+        self.program, self.key, self.artifacts = program, key, artifacts
         self.timings = timings or Timings()
         self._local = threading.local()  # the token count of the call in flight, per thread
-        # Runs each compiled piece in place of a plain call when set: ``hook(name, fn, args)``
-        # (a CUDA graph wrapper captures and replays pieces through it)
-        self.piece_hook: Callable[[str, Artifact, Sequence[Any]], Any] | None = None
-        # Runs each splitting piece in place of a plain call when set: ``hook(name, fn, args)``
-        self.splitting_hook: Callable[[str, Callable[..., Any], Sequence[Any]], Any] | None = None
         self._stitch = GraphProgram(program.stitch)
         self._modules: dict[str, Callable[..., Any]] = {}
         for p in program.pieces:
+            call: Callable[..., Any]
             if p.kind != "compiled":
                 call = SplittingCall(GraphProgram(p.graph or {"nodes": []}))
-                self._modules[p.name] = _HookedSplitting(self, p.name, call)
-            elif modules is not None and p.name in modules:
-                self._modules[p.name] = modules[p.name]
+                wrap = wrap_splitting
             else:
-                self._modules[p.name] = PieceCall(self, p.name, str(p.uid), artifacts[str(p.uid)],
-                                                  p.returns_tuple, p.layouts)
+                call = modules[p.name] if modules is not None and p.name in modules else \
+                    PieceCall(self, p.name, str(p.uid), artifacts[str(p.uid)], p.returns_tuple,
+                              p.layouts)
+                wrap = wrap_piece
+            self._modules[p.name] = call if wrap is None else wrap(p.name, call)
 
     @property
     def current_tokens(self) -> int:
