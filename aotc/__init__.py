@@ -37,8 +37,9 @@ def backend(*args: Any, **kwargs: Any) -> Any:
     return configured(*args, **kwargs)
 
 
-def load(manifest_or_key: Any, model: Any = None, store: Any = None, **kwargs: Any) -> Any:
-    """Warm-start a stored program into a runnable; see :func:`aotc.runtime.loader.load`."""
+def load(manifest: Any = None, model: Any = None, store: Any = None, **kwargs: Any) -> Any:
+    """Warm-start a stored program into a runnable: ``aotc.load(manifest)`` or
+    ``aotc.load(key=KEY, model=m)``; see :func:`aotc.runtime.loader.load`."""
     from aotc.runtime.loader import load as _load
 
-    return _load(manifest_or_key, model=model, store=store, **kwargs)
+    return _load(manifest, model=model, store=store, **kwargs)

@@ -1,7 +1,8 @@
 """Every ``AOTC_*`` environment variable, read in one place into a frozen :class:`Settings`.
 
-Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environment once with
-:func:`current` and pass the object down; nothing else in aotc reads an ``AOTC_*`` variable.
+Entry points (the CLI's group, ``aotc.load``, ``aotc.compile``, the backend's call, the vLLM
+plugin) read the environment once — into an :class:`aotc.context.Context` — and pass it down;
+nothing else in aotc reads an ``AOTC_*`` variable (a layout test holds it).
 
 | variable | field | meaning |
 |---|---|---|
@@ -20,7 +21,7 @@ Entry points (``aotc.load``, ``aotc.compile``, the CLI's group) read the environ
 | ``AOTC_SPLITTING_OPS`` | ``splitting_ops`` | the ``torch.compile`` backend's splitting ops (comma separated; default: vLLM's attention ops, aten SDPA, ``aotc::attention``) |
 | ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
-| ``AOTC_VLLM_RECORDS`` | ``vllm_records`` | ``0``: aotc's vLLM plugin leaves vLLM's AOT cache alone (no shipped record is brought in; :mod:`aotc.vllm.plugin`) |
+| ``AOTC_VLLM_RECORDS`` | ``vllm_records`` | ``0``: aotc's vLLM plugin leaves vLLM's AOT cache alone (no shipped record is brought in, none vLLM saves is stored; :mod:`aotc.vllm.plugin`) |
 | ``AOTC_FALLBACK`` | ``fallback`` | what a graph the backend cannot serve (unkeyable, a failed compile or numeric check, a damaged entry) falls back to: ``inductor`` (default), ``eager``, or ``error`` to raise (CI, tests) |
 """
 
@@ -31,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENV", "Settings", "current", "is_remote_url"]
+__all__ = ["ENV", "Settings", "is_remote_url"]
 
 ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
        "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS",
@@ -136,8 +137,3 @@ def _seconds(text: str | None, field: str, default: float) -> float:
 
         raise SettingsError(f"{ENV[field]}={text!r}: expected a positive number of seconds")
     return value
-
-
-def current() -> Settings:
-    """The settings of the process environment as it is now (read once per entry point)."""
-    return Settings.from_env()

@@ -22,10 +22,10 @@ __all__ = ["cli", "main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--store", "store_path", default=None, metavar="DIR|s3://BUCKET/PREFIX",
+@click.option("--store", "store_path", default=None, metavar="DIR|s3://BUCKET/PREFIX|oci://HOST/REPO",
               help="Store directory (default: $AOTC_STORE, else $XDG_CACHE_HOME/aotc, else "
                    "~/.cache/aotc), or a remote store URL (the default directory caches it).")
-@click.option("--remote", "remote_url", default=None, metavar="s3://BUCKET/PREFIX",
+@click.option("--remote", "remote_url", default=None, metavar="s3://BUCKET/PREFIX|oci://HOST/REPO",
               help="Remote store for push, pull and pull-through (default: $AOTC_REMOTE).")
 @click.option("--endpoint-url", default=None, metavar="URL",
               help="S3-compatible endpoint (default: $AOTC_S3_ENDPOINT, else boto3's configuration).")
@@ -35,9 +35,9 @@ def cli(ctx: click.Context, store_path: str | None, remote_url: str | None,
         endpoint_url: str | None) -> None:
     """aotc: compile a PyTorch model ahead of time, keep the artifacts in a store, warm-start fast."""
     from aotc.log import configure
-    from aotc.settings import current
+    from aotc.settings import Settings
 
-    settings = current()
+    settings = Settings.from_env()  # the environment, read once for the whole command
     configure(settings.log or "warning")  # the library's warnings, one line each on stderr
     ctx.obj = AppContext(store_path, remote_url, endpoint_url, settings=settings)
 

@@ -49,9 +49,7 @@ def import_command(app: AppContext, bundle: str, trust: tuple[str, ...], allow_u
     from aotc.fleet.bundle import import_bundle
 
     app.local_only("import")
-    from aotc.fleet.trust import trust_policy
-
-    policy = trust_policy(trust, allow_unsigned=allow_unsigned)
+    policy = app.policy(trust, allow_unsigned)
     result = import_bundle(app.writable_store, Path(bundle), trusted=policy)
     if as_json:
         print_json(result.to_json())

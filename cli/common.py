@@ -11,7 +11,7 @@ import click
 
 from aotc.cache.errors import AotcError
 from aotc.cache.store import Store
-from aotc.settings import Settings, current, is_remote_url
+from aotc.settings import Settings, is_remote_url
 
 
 class AppContext:
@@ -25,7 +25,7 @@ class AppContext:
 
     def __init__(self, store_path: str | None, remote_url: str | None = None,
                  endpoint_url: str | None = None, settings: Settings | None = None) -> None:
-        self.settings = settings = settings or current()
+        self.settings = settings = settings or Settings()
         self.store_is_remote = is_remote_url(store_path or settings.store)
         if self.store_is_remote:  # the local cache: AOTC_STORE if that is a directory
             self.remote_url: str | None = store_path or settings.store
@@ -57,15 +57,30 @@ class AppContext:
         from aotc.fleet.remote import RemoteError, make_remote
 
         if url:
-            return make_remote(url, self.endpoint_url)
+            return make_remote(url, self.settings, self.endpoint_url)
         if self.remote_url is None:
             if required:
                 raise RemoteError(f"`aotc {required}` needs a remote store: pass --store "
                                   "s3://bucket/prefix, --remote URL or set AOTC_REMOTE")
             return None
         if self._remote is None:
-            self._remote = make_remote(self.remote_url, self.endpoint_url)
+            self._remote = make_remote(self.remote_url, self.settings, self.endpoint_url)
         return self._remote
+
+    def context(self, store: Any = None, remote: Any = None, trust: Any = (),
+                allow_unsigned: bool = False) -> Any:
+        """The library's :class:`~aotc.context.Context` for this command: the settings read
+        once by the group, with the command's store, remote, trusted keys and opt-out."""
+        from aotc.context import Context
+
+        return Context.from_settings(self.settings, store=store, remote=remote, trust=trust,
+                                     allow_unsigned=allow_unsigned)
+
+    def policy(self, trust: Any = (), allow_unsigned: bool = False) -> Any:
+        """The trust policy: ``--trust`` keys and ``--allow-unsigned`` with the settings'."""
+        from aotc.fleet.trust import trust_policy
+
+        return trust_policy(trust, self.settings, allow_unsigned)
 
     def local_only(self, command: str) -> None:
         """Refuse a command that works on a local store when ``--store`` names a remote one."""

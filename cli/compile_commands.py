@@ -22,7 +22,7 @@ def _store_for(ctx: click.Context, manifest: Any, create: bool = False) -> Any:
     explicit = ctx.find_root().params.get("store_path") or app.settings.store
     if explicit or manifest.store is None:
         return app.writable_store if create else app.store
-    return open_store(manifest.store, create=create)
+    return open_store(manifest.store, create=create, settings=app.settings)
 
 
 @click.command("compile")
@@ -46,14 +46,16 @@ def compile_command(ctx: click.Context, manifest: str, force: bool, as_json: boo
     app: AppContext = ctx.obj
     if is_vllm_manifest(manifest):  # the engine runs once with the backend; it pushes to the remote
         vm = load_vllm_manifest(manifest)
-        result = compile_vllm(vm, _store_for(ctx, vm, create=True), force=force, remote=app.remote())
+        signer = app.context().signer  # a bad AOTC_SIGNING_KEY stops here, before the engine runs
+        result = compile_vllm(vm, _store_for(ctx, vm, create=True), force=force, remote=app.remote(),
+                              signer=signer)
         _print_result(result, None, as_json)
         return
     m = load_manifest(manifest)  # a bad manifest fails before the store is touched
     store = _store_for(ctx, m, create=True)
     # a miss is pulled from the remote, else compiled once across the fleet under its lease
-    result = compile_manifest(m, store=store, force=force, progress=Progress(sys.stderr, quiet=quiet),
-                              jobs=jobs, remote=app.remote())
+    result = compile_manifest(m, force=force, progress=Progress(sys.stderr, quiet=quiet), jobs=jobs,
+                              context=app.context(store=store, remote=app.remote()))
     remote = app.remote() if app.store_is_remote else None  # `--store s3://…`: publish there
     pushed = None
     if remote is not None:
@@ -146,10 +148,8 @@ def run_command(ctx: click.Context, manifest: str, sizes: list[int], check_eager
     m = load_manifest(manifest)
     remote = ctx.obj.remote()
     store = _store_for(ctx, m, create=remote is not None)  # pull-through writes into it
-    from aotc.fleet.trust import TrustPolicy
-
     report = run_manifest(m, sizes, store=store, check_eager=check_eager,
-                          trust=TrustPolicy(trust, allow_unsigned), remote=remote)
+                          trust=ctx.obj.policy(trust, allow_unsigned), remote=remote)
     if as_json:
         print_json(report)
     else:

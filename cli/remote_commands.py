@@ -31,7 +31,7 @@ def _print(result: Any, as_json: bool, local: Path) -> None:
 
 @click.command("push")
 @click.argument("target", required=False)
-@click.option("--to", "url", default=None, metavar="s3://BUCKET/PREFIX",
+@click.option("--to", "url", default=None, metavar="s3://BUCKET/PREFIX|oci://HOST/REPO",
               help="The remote store (default: --store / --remote / $AOTC_REMOTE).")
 @click.option("--force", is_flag=True,
               help="Upload every blob and replace the remote record (repairs a damaged remote entry).")
@@ -46,15 +46,18 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
     not uploaded again; the entry's record is written last."""
     from aotc.cache import CacheMiss, CorruptedCacheError
     from aotc.fleet.sync import push_entry
+    from aotc.fleet.trust import sign_with
     from aotc.lookup.explain import entry_key_for
     from aotc.progress import Progress
 
     remote = app.remote(url, required="push")
     store = app.store
+    signer = app.context().signer  # AOTC_SIGNING_KEY: what is pushed arrives signed (read first)
     keys = [entry_key_for(store, target)] if target else [k for k in store.keys() if store.has(k)]
     results, failed = [], []
     for k in keys:
         try:
+            sign_with(store, k, signer)
             results.append(push_entry(store, remote, k, force=force,
                                       progress=Progress(sys.stderr, quiet=quiet or as_json)))
         except (CacheMiss, CorruptedCacheError) as e:
@@ -78,7 +81,7 @@ def push_command(app: AppContext, target: str | None, url: str | None, force: bo
 
 @click.command("pull")
 @click.argument("target")
-@click.option("--from", "url", default=None, metavar="s3://BUCKET/PREFIX",
+@click.option("--from", "url", default=None, metavar="s3://BUCKET/PREFIX|oci://HOST/REPO",
               help="The remote store (default: --store / --remote / $AOTC_REMOTE).")
 @trust_option
 @allow_unsigned_option
@@ -92,11 +95,10 @@ def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str
     or a remote key or unique prefix) into the local store, every blob verified first."""
     from aotc.cache import CacheMiss
     from aotc.fleet.sync import pull_entry, pull_for_manifest, remote_key_for
-    from aotc.fleet.trust import trust_policy
     from aotc.progress import Progress
 
     remote = app.remote(url, required="pull")
-    store, trusted = app.writable_store, trust_policy(trust, allow_unsigned=allow_unsigned)
+    store, trusted = app.writable_store, app.policy(trust, allow_unsigned)
     progress = Progress(sys.stderr, quiet=quiet or as_json)
     if Path(target).is_file():
         from aotc.lookup.toolchain import machine_factors

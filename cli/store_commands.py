@@ -119,11 +119,11 @@ def verify_command(app: AppContext, repair: bool, signatures: bool, trust: tuple
     report = maintenance.verify_at(app.store_path, repair=repair)
     sig_rows, untrusted = None, False
     if (signatures or trust) and (report.index_problem is None or repair):
-        from aotc.fleet.trust import signature_report, trust_policy
+        from aotc.fleet.trust import signature_report
 
-        policy = trust_policy(trust)
+        policy = app.policy(trust)
         sig_rows = signature_report(app.store, policy)
-        untrusted = bool(policy) and any(r["state"] != "trusted" for r in sig_rows)
+        untrusted = bool(policy.keys) and any(r["state"] != "trusted" for r in sig_rows)
     if as_json:
         out = report.to_json()
         if sig_rows is not None:

@@ -221,9 +221,29 @@ def test_the_saved_record_names_an_absolute_store_and_loads_lazily(tmp_path: Pat
     from aotc.cache import Store
 
     monkeypatch.chdir(tmp_path)
-    f = AotcCompiled("ab" * 32, store=Store(tmp_path / "s"), remote="s3://b/p")
+    f = AotcCompiled("ab" * 32, store=Store(tmp_path / "s"))
     g = AotcCompiled.deserialize_compile_artifacts(AotcCompiled.serialize_compile_artifacts(f))
-    assert g.store == str((tmp_path / "s").resolve()) and g.remote == "s3://b/p"
+    assert g.store == str((tmp_path / "s").resolve())
     assert g.runner is None and len(AotcCompiled.serialize_compile_artifacts(f)) < 300
     assert AotcCompiled("cd" * 32, store="rel").store == str((tmp_path / "rel").resolve())
     assert AotcCompiled("cd" * 32, store="oci://127.0.0.1:5000/ml/aotc").store == "oci://127.0.0.1:5000/ml/aotc"
+
+
+def test_a_saved_record_never_widens_trust_or_redirects_pulls(tmp_path: Path, monkeypatch) -> None:
+    """Trust hole 7: a record (what vLLM keeps in its AOT file) that names a remote and trusted
+    keys is data: loading it asks only the operator's store, remote and policy."""
+    import json
+
+    from aotc.backend.compiled import AotcCompiled
+    from aotc.cache import CacheMiss, Store
+
+    for var in ("AOTC_REMOTE", "AOTC_TRUST_KEYS", "AOTC_ALLOW_UNSIGNED", "AOTC_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    Store(tmp_path / "s", create=True)
+    record = json.dumps({"aotc": 1, "key": "ab" * 32, "store": str(tmp_path / "s"),
+                         "remote": "s3://attacker-bucket/p", "trust": ["cd" * 32]}).encode()
+    g = AotcCompiled.deserialize_compile_artifacts(record)
+    assert b"attacker" not in AotcCompiled.serialize_compile_artifacts(g)
+    with pytest.raises(CacheMiss) as miss:  # not a pull from the record's remote
+        g.finalize_loading()
+    assert "attacker" not in str(miss.value)

@@ -222,8 +222,7 @@ def _package_copy(tmp_path: Path) -> Path:
 
 
 def test_every_module_is_in_the_key_or_left_out_with_a_reason() -> None:
-    from aotc.lookup.compile_logic import (NOT_COMPILE_LOGIC, NOT_COMPILE_LOGIC_PACKAGES,
-                                           compile_logic_modules)
+    from aotc.lookup.compile_logic import NOT_COMPILE_LOGIC, NOT_COMPILE_LOGIC_PACKAGES, compile_logic_modules
 
     aotc_modules = {n for n in MODULES if not n.startswith(("aotc.cache", "aotc.cli"))}
     hashed = {n for n, _ in compile_logic_modules()}
@@ -307,3 +306,48 @@ def test_the_library_never_prints() -> None:
                 if not name.startswith("aotc.cli") and name not in _MAY_PRINT}
     assert {k: v for k, v in printing.items() if v} == {}
     assert all(_prints(MODULES[name][1]) for name in _MAY_PRINT), "an entry of _MAY_PRINT prints nothing"
+
+
+# Where the environment may be read: the entry points (DESIGN: "One context passed down"), each
+# by (module, function). Everything below them takes what it needs from the Context it is given.
+ENTRY_POINTS = {
+    ("aotc.cli", "cli"),  # the CLI's group: every command
+    ("aotc.runtime.loader", "load"),  # aotc.load
+    ("aotc.compile.pipeline", "compile_manifest"),  # aotc.compile
+    ("aotc.backend.serve", "AotcBackend.__call__"),  # the backend's call
+    ("aotc.backend.serve", "backend_key"),  # a caller asking what key a graph has
+    ("aotc.backend.compiled", "AotcCompiled._ensure"),  # a saved backend record, loaded
+    ("aotc.vllm.plugin", "_install"),  # vLLM's plugin hook (register)
+    ("aotc.vllm.plugin", "_context"),
+    ("aotc.context", "Context.from_env"),  # the reading itself
+}
+
+
+def _settings_reads(tree: ast.Module) -> list[tuple[str, int]]:
+    """(enclosing function's qualified name, line) of each ``from_env(…)`` / ``current()`` call."""
+    found: list[tuple[str, int]] = []
+
+    def walk(node: ast.AST, scope: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                walk(child, [*scope, child.name])
+                continue
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name in ("from_env", "current"):
+                    found.append((".".join(scope), child.lineno))
+            walk(child, scope)
+
+    walk(tree, [])
+    return found
+
+
+def test_settings_are_read_at_entry_points_only() -> None:
+    """No ``Settings.from_env()`` / ``Context.from_env()`` (and no ``current()``) below an entry
+    point: the environment is read once where a journey starts and passed down as a Context."""
+    bad = [f"{MODULES[name][0].relative_to(ROOT)}:{line} in {scope or '<module>'}"
+           for name, (_path, tree) in MODULES.items()
+           for scope, line in _settings_reads(tree) if (name, scope) not in ENTRY_POINTS]
+    assert not bad, "the environment read below an entry point (take a Context instead):\n" + "\n".join(bad)
+    assert not hasattr(__import__("aotc.settings").settings, "current")  # one way to read it: from_env

@@ -28,54 +28,32 @@ __all__ = ["AotcCompiled", "load_graph_program"]
 _FORMAT = 1
 
 
-def load_graph_program(key: str, store: Any = None, remote: Any = None, trust: Any = (),
-                       timings: Timings | None = None) -> GraphRunner:
-    """The stored program of a graph by its key, ready to call, from the tiered store
-    (:mod:`aotc.fleet.tiered`): ``store`` (a ``TieredStore``, or what ``open_tiered`` takes;
-    default ``AOTC_STORE``), pulled through from ``remote`` (``AOTC_REMOTE``) on a local miss,
-    verified; trust policy enforced."""
-    from aotc.fleet.tiered import TieredStore, open_tiered
-    from aotc.fleet.trust import trust_policy
-    from aotc.runtime.loader import rehydrate_entry
-    from aotc.settings import current
-
-    timings = timings or Timings()
-    if isinstance(store, TieredStore):
-        tiered = store
-    else:
-        settings = current()
-        tiered = open_tiered(store, remote, trust_policy(trust, settings), settings)
+def load_graph_program(key: str, context: Any, timings: Timings | None = None) -> GraphRunner:
+    """The stored program of a graph by its key alone (a saved record), ready to call: from the
+    ``context``'s tiered store (pulled through on a local miss, verified, trust policy
+    enforced), checked to be built for this machine and this aotc."""
+    tiered = context.open_tiered()
     before, t = tiered.pulled_bytes, time.perf_counter()
     entry = tiered.get(key, miss_hint=f"the store {tiered.local.root} has no entry {key[:16]}… for "
-                                      "this graph (compiled on another machine? set AOTC_REMOTE to pull it)")
+                                      "this graph (compiled on another machine? set AOTC_REMOTE to pull it)",
+                       built_here=True)  # a key from elsewhere: built for this machine?
+    timings = timings or Timings()
     if tiered.pulled_bytes > before:
         timings.pulled_bytes = tiered.pulled_bytes - before
         timings.add("pull", time.perf_counter() - t)
-    _check_machine(entry, tiered.local)
+    return runner_of(entry, tiered, context.loader != "inductor", timings)
+
+
+def runner_of(entry: Any, tiered: Any, fast: bool, timings: Timings | None = None) -> GraphRunner:
+    """A graph entry the ``tiered`` store handed out (trust-checked there), rehydrated."""
+    from aotc.runtime.loader import rehydrate_entry
+
+    timings = timings or Timings()
     COUNTERS.cache_hits += 1
     program, by_uid = rehydrate_entry(entry, tiered.local, timings,
-                                      entry.factors.get("inductor", {}).get("patches", {}), tiered.trusted)
-    return GraphRunner(program, by_uid, key=key, timings=timings)
-
-
-def _check_machine(entry: Any, store: Any) -> None:
-    """An entry loaded by key alone (a saved AOT record) must have been built for this machine:
-    the same toolchain (compiler, CPU ISA or GPU, torch) and aotc compile logic. Otherwise a
-    ``LoadError``, and a framework that saved the record (vLLM) compiles again."""
-    from aotc.lookup.compile_logic import compile_logic_hash
-    from aotc.lookup.toolchain import machine_factors
-
-    device = str(entry.metadata.get("device") or "cpu")
-    mine = machine_factors(device, store.base / "toolchain")["toolchain"]
-    theirs = entry.factors.get("toolchain")
-    logic = (entry.factors.get("aotc") or {}).get("compile_logic")
-    if theirs != mine:
-        differ = sorted(k for k in set(mine) | set(theirs or {}) if (theirs or {}).get(k) != mine.get(k))
-        raise LoadError(f"stored graph {entry.key[:16]}… was built for another machine (toolchain "
-                        f"differs in {', '.join(differ[:4])}); compile it here")
-    if logic != compile_logic_hash():
-        raise LoadError(f"stored graph {entry.key[:16]}… was built by another aotc version; "
-                        "compile it again")
+                                      entry.factors.get("inductor", {}).get("patches", {}),
+                                      fast)
+    return GraphRunner(program, by_uid, key=entry.key, timings=timings)
 
 
 def _location(store: Any) -> str | None:
@@ -96,32 +74,32 @@ def _location(store: Any) -> str | None:
 
 class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  # the base class is torch's, found at run time
     """The stitched program of one graph, by store key (module doc). ``runner`` is None until
-    loaded; ``store``/``remote``/``trust``: what the backend was given explicitly (None: the
-    settings of the process that loads it)."""
+    loaded; ``store``: the store the backend was given explicitly (None: ``AOTC_STORE`` of the
+    process that loads it). The saved form holds the key and that store only: the remote and
+    the trust policy of a load are the loading process's operator's (``AOTC_REMOTE``,
+    ``AOTC_TRUST_KEYS``), never the saved data's."""
 
-    def __init__(self, key: str, runner: GraphRunner | None = None, store: Any = None,
-                 remote: Any = None, trust: tuple[str, ...] = ()) -> None:
+    def __init__(self, key: str, runner: GraphRunner | None = None, store: Any = None) -> None:
         self.key, self.runner = key, runner
         self.store = _location(store)
-        self.remote = None if remote is None else str(getattr(remote, "url", remote))
-        self.trust = tuple(trust)
         self._lock = threading.Lock()
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: AotcCompiled) -> bytes:
-        """The key and explicit locations, as JSON (the artifacts stay in the store)."""
-        return json.dumps({"aotc": _FORMAT, "key": fn.key, "store": fn.store, "remote": fn.remote,
-                           "trust": list(fn.trust)}, sort_keys=True).encode()
+        """The key and the explicit store, as JSON (the artifacts stay in the store)."""
+        return json.dumps({"aotc": _FORMAT, "key": fn.key, "store": fn.store},
+                          sort_keys=True).encode()
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> AotcCompiled:
-        """An unloaded callable for the saved key; ``finalize_loading`` or the first call loads it."""
+        """An unloaded callable for the saved key; ``finalize_loading`` or the first call loads
+        it. A record's other fields (older records saved a remote and trusted keys) are ignored:
+        data never widens trust or redirects pulls."""
         try:
             d = json.loads(data)
             if d.get("aotc") != _FORMAT:
                 raise ValueError(f"format {d.get('aotc')!r}, this aotc reads {_FORMAT}")
-            return cls(str(d["key"]), store=d.get("store"), remote=d.get("remote"),
-                       trust=tuple(d.get("trust") or ()))
+            return cls(str(d["key"]), store=d.get("store"))
         except (ValueError, KeyError, TypeError) as e:
             raise LoadError(f"saved aotc compiled function is unreadable ({e}); delete the "
                             "framework's compile cache and start again") from e
@@ -133,8 +111,10 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  
     def _ensure(self) -> GraphRunner:
         if self.runner is None:
             with self._lock:
-                if self.runner is None:
-                    self.runner = load_graph_program(self.key, self.store, self.remote, self.trust)
+                if self.runner is None:  # an entry point: the loading process's own context
+                    from aotc.context import Context
+
+                    self.runner = load_graph_program(self.key, Context.from_env(store=self.store))
         return self.runner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,11 +122,10 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  
         return runner(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:  # pickled by reference: the key, never the kernels
-        return {"key": self.key, "store": self.store, "remote": self.remote, "trust": self.trust}
+        return {"key": self.key, "store": self.store}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["key"], store=state["store"], remote=state["remote"],  # type: ignore[misc]  # re-initialised in place: unpickling by reference
-                      trust=tuple(state["trust"]))
+        self.__init__(state["key"], store=state.get("store"))  # type: ignore[misc]  # re-initialised in place: unpickling by reference
 
     def __repr__(self) -> str:
         return f"AotcCompiled(key={self.key[:16]}…, loaded={self.runner is not None})"

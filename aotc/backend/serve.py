@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
@@ -31,19 +32,20 @@ __all__ = ["DEFAULT_SPLITTING_OPS", "AotcBackend", "aotc_backend", "backend", "b
 
 
 def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | None = None,
-                store: Any = None) -> tuple[str, dict[str, Any]]:
+                store: Any = None, settings: Any = None) -> tuple[str, dict[str, Any]]:
     """``(key, factors)`` of a graph as the backend would store it (``store``: where the
-    toolchain memo lives; default: the configured store)."""
+    toolchain memo lives; ``settings``: the entry point's, for the splitting ops and compile
+    sizes the environment names — default: read now, for callers that are entry points)."""
     from aotc._torch import inductor_facts
     from aotc.backend.graphkey import graph_device, graph_factors
     from aotc.lookup.compile_logic import compile_logic_hash
     from aotc.lookup.resolve import inductor_factors
     from aotc.lookup.toolchain import machine_factors
     from aotc.records.key import FORMAT_VERSION, compute_key
-    from aotc.settings import current
+    from aotc.settings import Settings
 
     config = config or BackendConfig()
-    settings = current()
+    settings = settings or Settings.from_env()
     device = graph_device(example_inputs)
     memo = None if store is None else store.base / "toolchain"
     machine = machine_factors(device, memo)
@@ -74,16 +76,16 @@ class AotcBackend:
         passes (``mode=``, ``options=``). A graph aotc cannot serve falls back (``fallback``,
         ``AOTC_FALLBACK``: Inductor by default) with one warning line; a bad argument raises."""
         from aotc.backend.config import call_config
+        from aotc.context import Context
         from aotc.log import configure
-        from aotc.settings import current
 
         cfg = call_config(self.config, kwargs)
-        settings = current()
-        configure(settings.log)
-        policy = cfg.fallback_for(settings)
+        context = Context.from_env(store=cfg.store, remote=cfg.remote, trust=cfg.trust)  # this entry point's
+        configure(context.settings.log)
+        policy = cfg.fallback_for(context.settings)
         seen: dict[str, Any] = {}  # the local store once open, the graph's key once computed
         try:
-            return self._serve(gm, example_inputs, cfg, settings, seen)
+            return self._serve(gm, example_inputs, cfg, context, seen)
         except Exception as e:  # noqa: BLE001 - the safety net: any failure serving this graph
             from aotc._torch.dynamo import is_restart
             from aotc.backend.given_up import remember
@@ -94,7 +96,8 @@ class AotcBackend:
                      seen.get("tolerance"))
             if policy == "error":
                 raise
-            return self._fall_back(gm, example_inputs, cfg, settings, policy, e, seen.get("key", ""))
+            return self._fall_back(gm, example_inputs, cfg, context.settings, policy, e,
+                                   seen.get("key", ""))
 
     def _fall_back(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
                    settings: Any, policy: str, error: BaseException, key: str) -> Any:
@@ -113,85 +116,72 @@ class AotcBackend:
         return inductor_compile(gm, example_inputs, dict(cfg.inductor))
 
     def _serve(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
-               settings: Any, seen: dict[str, Any]) -> Any:
-
-        from aotc.cache import CacheMiss
-        from aotc.errors import RemoteError, TrustError
-        from aotc.fleet.tiered import open_tiered
-        from aotc.fleet.trust import trust_policy
+               context: Any, seen: dict[str, Any]) -> Any:
+        """The stored program of this graph: local, pulled, or built here (the tiered store's
+        one fleet journey, :meth:`aotc.fleet.tiered.TieredStore.get_or_build`)."""
+        from aotc.fleet.tiered import Wanted
 
         t0 = time.perf_counter()
-        tiered = open_tiered(cfg.store, cfg.remote, trust_policy(cfg.trust, settings), settings, create=True)
-        store, remote = tiered.local, tiered.remote
-        seen["store"] = store
+        settings = context.settings
         if cfg.graphs and _on_cuda(example_inputs):
             _log.info("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not "
                       "captured for torch.compile graphs yet; this graph runs without them")
-        key, factors = backend_key(gm, example_inputs, cfg, store)
+        tiered = context.open_tiered(create=True)
+        seen["store"] = tiered.local
+        key, factors = backend_key(gm, example_inputs, cfg, tiered.local, settings)
         seen["key"] = key
-        if store.has(key):
-            return self._load(key, tiered, cfg, settings, t0)
 
-        def fetch() -> Any:  # the remote's entry, pulled through; None when it has none
-            try:
-                return self._load(key, tiered, cfg, settings, t0)
-            except CacheMiss:
-                return None
-            except (RemoteError, TrustError) as e:  # unreachable, damaged or refused
-                raise _NotPulled(e) from e
-
-        def build_here() -> Any:  # (after the remote: another node may have built it since)
+        def build_here() -> Any:
             from aotc.backend.build import computed_float_dtype
             from aotc.backend.given_up import raise_if_given_up
 
             # tried and failed before (with this tolerance): no split, compile or check again
             seen["tolerance"] = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
-            raise_if_given_up(store, key, seen["tolerance"])
-            return self._build(gm, example_inputs, key, factors, tiered, cfg, settings, t0,
-                               seen["tolerance"])
+            raise_if_given_up(tiered.local, key, seen["tolerance"])
+            return self._build(gm, example_inputs, key, factors, tiered, cfg, context, seen["tolerance"])
 
-        if remote is None:
-            return build_here()
-        tiered.lease_wait = 0.0  # the lease is handled here: a pull must not wait for our own
-        try:  # one process of the fleet compiles a missing graph; the others wait and pull it
-            from aotc.fleet.lease import single_flight
+        pulled_before = tiered.pulled_bytes
+        served = tiered.get_or_build(Wanted.by_key(key), build_here)
+        if served.built is not None:
+            meta = served.built.meta
+            self._done(settings, {"key": key, "hit": False, "pulled": False, "pushed": served.pushed,
+                                  "seconds": round(time.perf_counter() - t0, 3),
+                                  "store": str(tiered.local.root), "pieces": meta["pieces"],
+                                  "unique_pieces": meta["unique_pieces"], "compiles": meta["compiles"],
+                                  "shared": meta.get("shared", 0), "numerics": meta["numerics"]})
+            return served.built.compiled
+        return self._load(served.entry, tiered, cfg, settings, t0, pulled=served.pulled,
+                          pulled_bytes=tiered.pulled_bytes - pulled_before)
 
-            return single_flight(remote, key, f"graph {key[:16]}…", fetch, build_here,
-                                 settings.lease_ttl, settings.lease_wait)
-        except _NotPulled as e:  # the remote's entry is unreachable, damaged or refused: compile here
-            _log.warning(f"aotc: warning: could not pull {key[:16]}… from {remote.url}: {e.args[0]}; "
-                         "compiling it here")
-        return build_here()
-
-    def _load(self, key: str, tiered: Any, cfg: BackendConfig, settings: Any, t0: float) -> Any:
-        """The stored graph ``key`` (pulled through on a local miss), as Dynamo's callable."""
+    def _load(self, entry: Any, tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
+              pulled: bool, pulled_bytes: int) -> Any:
+        """The stored graph ``entry`` as Dynamo's callable."""
         from aotc._torch import dynamo
-        from aotc.backend.compiled import AotcCompiled, load_graph_program
+        from aotc.backend.compiled import AotcCompiled, runner_of
 
-        hit = tiered.local.has(key)
         with dynamo.outside_trace():
-            runner = load_graph_program(key, tiered)
-        self._done(settings, {"key": key, "hit": True, "pulled": not hit,
-                              "pulled_bytes": runner.timings.pulled_bytes,
+            runner = runner_of(entry, tiered, fast=tiered_loader_fast(settings))
+        self._done(settings, {"key": entry.key, "hit": True, "pulled": pulled,
+                              "pulled_bytes": pulled_bytes,
                               "seconds": round(time.perf_counter() - t0, 3),
                               "store": str(tiered.local.root)})
-        return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+        return AotcCompiled(entry.key, runner, cfg.store)
 
     def _build(self, gm: Any, example_inputs: Sequence[Any], key: str, factors: dict[str, Any],
-               tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
-               tolerance: tuple[float, float]) -> Any:
-        """Compile the graph here with the check's ``tolerance`` (atol, rtol), store (and push)
-        it, and load what was stored."""
+               tiered: Any, cfg: BackendConfig, context: Any, tolerance: tuple[float, float]) -> Any:
+        """Compile the graph here with the check's ``tolerance`` (atol, rtol), store it (signed
+        when a signing key is set) and load what was stored; the tiered store pushes it."""
         from aotc._torch import dynamo
         from aotc.backend.build import build_entry
-        from aotc.backend.compiled import AotcCompiled, load_graph_program
+        from aotc.backend.compiled import AotcCompiled, runner_of
+        from aotc.backend.given_up import forget
         from aotc.cache import StoreReadOnlyError
         from aotc.errors import TrustError
-        from aotc.fleet.tiered import TieredStore
         from aotc.progress import Progress
 
-        store, remote, trusted = tiered.local, tiered.remote, tiered.trusted
-        if trusted and not _signs_trusted(settings, trusted):  # the policy would refuse our build
+        store, settings = tiered.local, context.settings
+        signer = context.signer  # a bad AOTC_SIGNING_KEY fails here, before any work
+        if tiered.policy.keys and (signer is None or signer.public not in tiered.policy.keys):
             raise TrustError(f"graph {key[:16]}… is in neither the store nor the remote, and a trust "
                              "policy is set (AOTC_TRUST_KEYS / trust=): set AOTC_SIGNING_KEY to a "
                              "trusted key so this process signs what it compiles, or compile it "
@@ -203,20 +193,12 @@ class AotcBackend:
         with dynamo.outside_trace():
             meta = build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
                                ops=cfg.ops(settings), sizes=cfg.sizes(settings),
-                               options=dict(cfg.inductor), atol=atol, rtol=rtol, progress=progress)
-        from aotc.backend.given_up import forget
-
+                               options=dict(cfg.inductor), atol=atol, rtol=rtol, progress=progress,
+                               signer=signer)
         forget(store, key)
-        pushed = None
-        if remote is not None:
-            pushed = _push(store, remote, key)
-        runner = load_graph_program(key, TieredStore(store, None, trusted))  # just stored here
-        self._done(settings, {"key": key, "hit": False, "pulled": False, "pushed": pushed,
-                              "seconds": round(time.perf_counter() - t0, 3), "store": str(store.root),
-                              "pieces": meta["pieces"], "unique_pieces": meta["unique_pieces"],
-                              "compiles": meta["compiles"], "shared": meta.get("shared", 0),
-                              "numerics": meta["numerics"]})
-        return AotcCompiled(key, runner, cfg.store, cfg.remote, cfg.trust)
+        with dynamo.outside_trace():
+            runner = runner_of(store.get(key), tiered, fast=tiered_loader_fast(settings))
+        return _Built(key, AotcCompiled(key, runner, cfg.store), meta)
 
     def _done(self, settings: Any, what: dict[str, Any]) -> None:
         """Remember, log (one INFO line) and report (``AOTC_REPORT``) what a call did."""
@@ -237,26 +219,22 @@ class AotcBackend:
             f.write(json.dumps({**what, "pid": os.getpid()}, sort_keys=True) + "\n")
 
 
-class _NotPulled(Exception):
-    """The remote has the graph but it could not be pulled (the cause is ``args[0]``)."""
+@dataclass(frozen=True)
+class _Built:
+    """A graph compiled and stored here: its key, the callable, the entry's metadata."""
+
+    key: str
+    compiled: Any
+    meta: dict[str, Any]
+
+
+def tiered_loader_fast(settings: Any) -> bool:
+    """Whether pieces load through the fast path (``AOTC_LOADER`` is not ``inductor``)."""
+    return bool(settings.loader != "inductor")
 
 
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:
     return any(getattr(getattr(x, "device", None), "type", None) == "cuda" for x in example_inputs)
-
-
-def _push(store: Any, remote: Any, key: str) -> bool:
-    """Push a fresh entry; a failure is a warning (the compile stands, the fleet can be fed later
-    with ``aotc push``), never a failed model start."""
-    from aotc.errors import AotcError
-    from aotc.fleet.sync import push_entry
-
-    try:
-        push_entry(store, remote, key)
-        return True
-    except AotcError as e:
-        _log.warning(f"aotc: warning: could not push {key[:16]}… to {remote.url}: {e}")
-        return False
 
 
 def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
@@ -288,12 +266,3 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     if _DEFAULT is None:
         _DEFAULT = AotcBackend(BackendConfig())
     return _DEFAULT(gm, example_inputs, **kwargs)
-
-
-def _signs_trusted(settings: Any, trusted: frozenset[str]) -> bool:
-    """Whether ``AOTC_SIGNING_KEY`` signs with a key the policy trusts (so a build here loads)."""
-    if not settings.signing_key:
-        return False
-    from aotc.fleet.trust import public_key_of
-
-    return public_key_of(settings.signing_key) in trusted

@@ -4,7 +4,8 @@
 claim the key's work directory → stored meanwhile? → seed pieces from other stored entries →
 compile the (unique piece, shape) tasks → merge their kernels → the ``Program`` (artifact and
 kernel roles filled in) → rehydrate exactly what will be stored → the front door's numeric check
-→ one ``store.put``. A failed step stores nothing; a failed check discards the results taken
+→ one ``store.put`` (signed in its transaction when a signing key is set). A failed step
+stores nothing; a failed check discards the results taken
 from elsewhere (resumed or shared) and is remembered, so the next compile says what it resumes.
 
 The front doors differ only in how they get the pieces, what they key them by, the ``Program``'s
@@ -38,7 +39,7 @@ from aotc.compile.workers import (
     resumed_from,
 )
 from aotc.errors import AotcError, NumericMismatchError
-from aotc.fleet.trust import sign_if_configured
+from aotc.fleet.trust import Signer
 from aotc.progress import Progress
 from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, artifact_role, kernel_roles, wrapper_role
 from aotc.runtime.rehydrate import rehydrate
@@ -85,9 +86,11 @@ class Built:
     warnings: tuple[str, ...] = ()
 
 
-def build(store: Any, job: Job, progress: Progress, seconds: dict[str, float]) -> Built:
-    """Compile, check and store ``job`` (module doc). ``seconds`` gains ``compile``, ``check``
-    and ``store``. Raises what failed; nothing is stored then."""
+def build(store: Any, job: Job, progress: Progress, seconds: dict[str, float],
+          signer: Signer | None = None) -> Built:
+    """Compile, check and store ``job`` (module doc) — signed by ``signer`` in the same
+    transaction as the put, when given. ``seconds`` gains ``compile``, ``check`` and ``store``.
+    Raises what failed; nothing is stored then."""
     tasks: list[Task] = [(uid, size) for uid in job.first_of for size in job.shapes]
     # finished pieces are kept per key in the store's work directory: a killed compile resumes
     # (a forced one starts from nothing, in a directory of its own)
@@ -141,8 +144,9 @@ def build(store: Any, job: Job, progress: Progress, seconds: dict[str, float]) -
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
             "profile": done.profile, "kernels": done.kernels, **job.metadata,
         }
-        entry = store.put(job.key, job.name, blobs, factors=job.factors, metadata=metadata)
-        if sign_if_configured(store, job.key):  # AOTC_SIGNING_KEY: a CI job's entries arrive signed
+        entry = store.put(job.key, job.name, blobs, factors=job.factors, metadata=metadata,
+                          sign=None if signer is None else signer.sign)
+        if signer is not None:  # AOTC_SIGNING_KEY: a CI job's entries arrive signed
             progress.phase("signed", f"key {job.key[:16]}… with AOTC_SIGNING_KEY")
         seconds["store"] = time.perf_counter() - t
         claimed.finished()  # stored: the checkpoints go (unless another compile still uses them)

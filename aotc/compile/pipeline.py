@@ -17,7 +17,9 @@ from aotc._torch import header_build, isa_probes
 from aotc.cache import StoreReadOnlyError
 from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, trace_and_split
-from aotc.errors import AotcError, RemoteError, TrustError
+from aotc.context import Context
+from aotc.errors import AotcError
+from aotc.fleet.tiered import TieredStore, Wanted
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.lookup.stores import as_manifest, open_store
 from aotc.lookup.toolchain import fingerprint, machine_factors
@@ -98,15 +100,22 @@ def numeric_check(runner: Runner, model: Any, manifest: Manifest) -> dict[str, A
 
 def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: bool = False,
                      progress: Progress | None = None, jobs: int = 1,
-                     remote: Any = None) -> CompileResult:
+                     remote: Any = None, context: Context | None = None) -> CompileResult:
     """Compile the model a manifest names and put the program in the store (see module doc).
     ``jobs`` > 1 compiles the pieces in that many worker processes (``aotc.compile.workers``).
-    With a ``remote`` (an ``S3Remote``), a local miss is first pulled from it; when it has no
-    entry either, the compile runs under the remote's compile lease (one process of a fleet
-    compiles, the others wait and pull: :mod:`aotc.fleet.lease`) and is pushed there."""
+    ``context``: the entry point's :class:`~aotc.context.Context` (default: the environment,
+    with ``store`` and ``remote`` as given). With a remote, a local miss is first pulled from
+    it; when it has no entry either, the compile runs under the remote's compile lease (one
+    process of a fleet compiles, the others wait and pull: :mod:`aotc.fleet.lease`) and is
+    pushed there. With a signing key, it is read before any work and every entry stored is
+    signed in the same transaction as its put."""
+    context = context or Context.from_env(store=store, remote=remote)
     progress = progress or Progress(quiet=True)
     manifest = as_manifest(manifest)
-    store = open_store(store, manifest, create=True)
+    signer = context.signer  # a bad AOTC_SIGNING_KEY fails here, before any work
+    tiered = context.open_tiered(manifest, create=True)
+    tiered.progress = progress
+    store = tiered.local
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
@@ -116,59 +125,34 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         found = resolve(manifest, store, toolchain, record=False)
         if found.entry is not None:
             seconds["lookup"] = time.perf_counter() - t
+            if signer is not None and not store.read_only:
+                tiered.sign(found.entry.key)  # stored before the key was set: signed now
             return _hit(found.entry, manifest, seconds, store, traces=0)
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
-    if remote is None or force:
-        return _compile_traced(manifest, store, force, progress, jobs, toolchain, base, seconds)
-    return _compile_once_in_fleet(manifest, store, remote, progress, jobs, toolchain, base, seconds)
 
+    def compile_here() -> CompileResult:
+        return _compile_traced(manifest, tiered, force, progress, jobs, toolchain, base, seconds)
 
-def _compile_once_in_fleet(manifest: Manifest, store: Any, remote: Any, progress: Progress, jobs: int,
-                           toolchain: dict[str, Any], base: dict[str, Any],
-                           seconds: dict[str, float]) -> CompileResult:
-    """Pull the entry from ``remote``, else compile it under the remote's lease and push it."""
-    from aotc.fleet.lease import single_flight
-    from aotc.fleet.sync import push_entry
-    from aotc.fleet.tiered import TieredStore
-    from aotc.fleet.trust import trust_policy
-    from aotc.log import logger
-    from aotc.settings import current
-
-    settings = current()
-    tiered = TieredStore(store, remote, trust_policy((), settings), progress=progress)
-
-    def fetch() -> CompileResult | None:
-        t = time.perf_counter()
-        found = tiered.find(manifest, toolchain)
-        if found.entry is None:
-            return None
-        return _hit(found.entry, manifest, {**seconds, "pull": time.perf_counter() - t}, store, traces=0)
-
-    def build_and_push() -> CompileResult:
-        result = _compile_traced(manifest, store, False, progress, jobs,
-                                 toolchain, base, seconds)
-        try:
-            push_entry(store, remote, result.key, progress=progress)
-        except RemoteError as e:  # compiled and stored here: the push is what failed
-            logger("compile").warning("aotc: %s: compiled, but the push to %s failed (%s); "
-                                      "`aotc push` it later", manifest.name, remote.url, e)
+    if force:
+        result = compile_here()
+        tiered.push(result.key, manifest.name)
         return result
+    t = time.perf_counter()
+    served = tiered.get_or_build(Wanted.by_manifest(manifest, toolchain), compile_here)
+    if served.built is not None:
+        return served.built
+    if served.pulled:
+        seconds["pull"] = time.perf_counter() - t
+    return _hit(served.entry, manifest, seconds, store, traces=0)
 
-    try:
-        return single_flight(remote, compute_key(base), manifest.name, fetch, build_and_push,
-                             settings.lease_ttl, settings.lease_wait, say=progress.note)
-    except (TrustError, RemoteError) as e:  # the remote's entry refused, or it is unreachable
-        logger("compile").warning("aotc: %s: not taken from %s (%s); compiling it here",
-                                  manifest.name, remote.url, e)
-        return _compile_traced(manifest, store, False, progress, jobs, toolchain, base, seconds)
 
-
-def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progress, jobs: int,
+def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progress: Progress, jobs: int,
                     toolchain: dict[str, Any], base: dict[str, Any],
                     seconds: dict[str, float]) -> CompileResult:
     """Trace and split, then the compile core (a miss of ``compile_manifest``)."""
+    store = tiered.local
     # the kernels' precompiled header (one long g++ run on a cold machine) builds while this
     # process traces — only in a process that compiles (not in a replica waiting on a lease)
     header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
@@ -194,7 +178,7 @@ def _compile_traced(manifest: Manifest, store: Any, force: bool, progress: Progr
               options=dict(manifest.inductor), program=program,
               check=lambda prog, by_uid: numeric_check(Runner(prog, by_uid, model), model, manifest),
               metadata={"probe": compute_key(base)}, jobs=jobs, fork=True, force=force)
-    built = build(store, job, progress, seconds)
+    built = build(store, job, progress, seconds, signer=tiered.signer)
     if built.stored_meanwhile:
         return _hit(built.entry, manifest, seconds, store, traces=1)
     numerics = built.entry.metadata["numerics"]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from aotc.cache import Store, blobio
 from aotc.errors import BundleError
-from aotc.fleet.trust import enforce_payload, valid_signatures
+from aotc.fleet.trust import NO_KEYS, TrustPolicy, enforce_payload, valid_signatures
 from aotc.records.entry_record import build_record, parse_record, put_staged, same_content, stage_verified
 from aotc.records.jsonable import FieldsAsJson
 
@@ -82,7 +82,7 @@ def export_entry(store: Store, key: str, out: str | os.PathLike[str]) -> BundleR
 
 
 def import_bundle(store: Store, path: str | os.PathLike[str],
-                  trusted: frozenset[str] = frozenset()) -> BundleResult:
+                  trusted: TrustPolicy = NO_KEYS) -> BundleResult:
     """Verify the bundle at ``path`` completely, then add its entry to ``store`` (see module doc)."""
     where = str(path)
     try:
@@ -130,11 +130,9 @@ def import_bundle(store: Store, path: str | os.PathLike[str],
             if missing:
                 raise BundleError(f"{where}: {len(missing)} blob(s) missing, e.g. {missing[0][:16]}… "
                                   "(a truncated or incomplete bundle)")
-            if not put_staged(store, entry, staged):  # a staging file changed under us
+            if not put_staged(store, entry, staged, sigs):  # a staging file changed under us
                 raise BundleError(f"{where}: a staged blob changed before it was stored; "
                                   "nothing was imported, try again")
-            for public, sig in sigs.items():
-                store.add_signature(entry.key, public, sig)
             total = sum(s for _u, s in sizes.values())
             return BundleResult(entry.key, entry.name, where, len(sizes), total, imported=True)
     finally:

@@ -1,117 +1,285 @@
-"""The store as the loader and the backend see it: the local store with an optional remote tier
-(ccache's secondary storage, Bazel's remote cache). Asked for an entry the local store lacks, it
-pulls it through from the remote — every blob verified, the trust policy enforced before any blob
-is read — into the local store, and answers from there. Callers never walk runtime → sync →
-records themselves: they ask :meth:`TieredStore.get` (by key) or :meth:`TieredStore.find`
-(what a manifest compiles to on this machine).
+"""The store as every front door sees it: the local store with an optional remote tier (ccache's
+secondary storage, Bazel's remote cache), and the one fleet journey.
 
-The remote's client (boto3) is imported only when the remote tier is actually asked.
+:meth:`TieredStore.get_or_build` owns it: local → remote (pulled through, every blob verified,
+the trust policy enforced before any blob is read) → the remote's compile lease (one process of a
+fleet builds, the others wait and pull) → build (the caller's function, which stores with
+:meth:`TieredStore.put`: signed in the same transaction when a signing key is set) → push. One
+error policy: a remote entry that is unreachable, damaged or refused is one warning and a build
+here; a failed push is one warning (the entry stands here; ``aotc push`` feeds the fleet later).
+The manifest pipeline, the backend and the vLLM plugin call it with only how to build.
+:meth:`TieredStore.get` / :meth:`TieredStore.find` are the loader's half (no build).
+
+The remote's client (boto3, oras) is imported only when the remote tier is actually asked.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from aotc.cache import CacheMiss, Entry, Store, StoreReadOnlyError
+from aotc.errors import RemoteError, TrustError
+from aotc.fleet.remote_api import Remote
+from aotc.fleet.trust import Signer, TrustPolicy, enforce, sign_with
+from aotc.log import logger
 from aotc.lookup.resolve import Resolution, resolve
 from aotc.progress import Progress
 
-__all__ = ["TieredStore", "open_tiered"]
+__all__ = ["Served", "TieredStore", "Wanted", "open_tiered"]
+
+_LOG = logger("fleet")
+
+
+class _Keyed(Protocol):
+    key: str
+
+
+T = TypeVar("T", bound=_Keyed)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a front door asks for: an entry by ``key`` (the backend, a saved record), or what a
+    ``manifest`` compiles to on ``machine`` (the key is known only after tracing; the lease is
+    the manifest's probe). ``what`` names it in messages."""
+
+    what: str
+    key: str | None = None
+    manifest: Any = None
+    machine: dict[str, Any] | None = None
+
+    @classmethod
+    def by_key(cls, key: str, what: str = "") -> Wanted:
+        return cls(what or f"graph {key[:16]}…", key=key)
+
+    @classmethod
+    def by_manifest(cls, manifest: Any, machine: dict[str, Any]) -> Wanted:
+        return cls(manifest.name, manifest=manifest, machine=machine)
+
+
+@dataclass(frozen=True)
+class Served(Generic[T]):
+    """How :meth:`TieredStore.get_or_build` served: the ``entry`` found (local, or ``pulled``),
+    or what ``build`` returned (``built``; ``pushed``: whether the push went, None: no remote)."""
+
+    entry: Entry | None = None
+    built: T | None = None
+    pulled: bool = False
+    pushed: bool | None = None
+
+
+class _Refused(Exception):
+    """The remote has the entry but it could not be pulled (the cause is ``args[0]``)."""
 
 
 @dataclass
 class TieredStore:
-    """``local`` in front of ``remote`` (None: no remote tier), under the ``trusted`` keys."""
+    """``local`` in front of ``remote`` (None: no remote tier), under the ``policy``; ``signer``
+    signs what :meth:`put` stores; ``lease_ttl``/``lease_wait``: :mod:`aotc.fleet.lease`."""
 
     local: Store
-    remote: Any = None  # an aotc.fleet.remote.S3Remote
-    trusted: frozenset[str] = frozenset()
+    remote: Remote | None = None
+    policy: TrustPolicy = field(default_factory=TrustPolicy)
+    signer: Signer | None = None
+    lease_ttl: float = 60.0
+    lease_wait: float = 1800.0
+    progress: Progress = field(default_factory=Progress)
     pulled_bytes: int = 0  # bytes the remote tier moved for this object's pulls
     pull_seconds: float = 0.0
-    progress: Progress = field(default_factory=Progress)
-    lease_wait: float = 0.0  # a miss being compiled elsewhere (a live lease): wait that long for it
 
     def has(self, key: str) -> bool:
         """Whether the local tier holds ``key`` (the remote is not asked)."""
         return self.local.has(key)
 
-    def get(self, key: str, miss_hint: str = "") -> Entry:
-        """The entry ``key``: local, else pulled through from the remote (module doc). Raises
-        ``CacheMiss`` (with ``miss_hint`` when no tier has it), ``RemoteError`` for damaged or
-        unreachable remote bytes, ``TrustError`` for an entry the policy refuses."""
-        if not self.local.has(key):
-            if self.remote is None:
-                raise CacheMiss(key, hint=miss_hint or f"the store {self.local.root} has no entry "
-                                                       f"{key[:16]}… (set AOTC_REMOTE to pull it)")
-            self._writable(f"pull {key[:16]}… into it from {self.remote.url}")
-            from aotc.fleet.sync import pull_entry
+    # -- the loader's half ------------------------------------------------------------------
+    def get(self, key: str, miss_hint: str = "", wait: bool = True,
+            built_here: bool = False) -> Entry:
+        """The entry ``key``: local, else pulled through from the remote (module doc) — waiting
+        for a live compile lease on it when ``wait`` — and allowed by the trust policy. Raises
+        ``CacheMiss`` (with ``miss_hint`` when no tier has it), ``RemoteError`` for damaged or unreachable remote bytes,
+        ``TrustError`` for an entry the policy refuses. ``built_here``: a key from elsewhere (a
+        saved record, ``aotc.load(key=…)``) must name an entry built for this machine and this
+        aotc (else ``LoadError``)."""
+        entry = self._get(key, miss_hint, wait)
+        if built_here:
+            from aotc.lookup.toolchain import check_built_here
 
-            t = time.perf_counter()
-            misses: list[CacheMiss] = []
+            check_built_here(entry, self.local.base / "toolchain")
+        return entry
 
-            def pull() -> Any:
-                try:
-                    return pull_entry(self.remote, self.local, key, self.trusted, self.progress)
-                except CacheMiss as e:
-                    misses.append(e)
-                    return None
+    def _get(self, key: str, miss_hint: str, wait: bool) -> Entry:
+        if self.local.has(key):
+            return self._checked(self.local.get(key))
+        if self.remote is None:
+            raise CacheMiss(key, hint=miss_hint or f"the store {self.local.root} has no entry "
+                                                   f"{key[:16]}… (set AOTC_REMOTE to pull it)")
+        want = Wanted.by_key(key)
+        entry = self._pull(want) if not wait else self._pull_or_wait(want)
+        if entry is None:
+            raise CacheMiss(key, hint=miss_hint or f"neither {self.local.root} nor {self.remote.url} "
+                                                   f"has entry {key[:16]}…")
+        return entry
 
-            pulled = pull()
-            if pulled is None and self.lease_wait > 0:  # being compiled elsewhere? wait for it
-                from aotc.fleet.lease import wait_for_holder
+    def find(self, manifest: Any, machine: dict[str, Any] | None = None) -> Resolution:
+        """What ``manifest`` compiles to on this ``machine`` (default: this one's toolchain
+        factors, memoized in the store): resolved in the local tier, else pulled through from the
+        remote and resolved again. A local entry that exists but is damaged is reported
+        (``Resolution.corrupt``), not replaced from the remote."""
+        if machine is None:
+            from aotc.lookup.toolchain import machine_factors
 
-                pulled = wait_for_holder(self.remote, key, f"{key[:16]}…", pull, self.lease_wait)
-            if pulled is None:
-                raise misses[0]
-            self._pulled(pulled.bytes_moved, time.perf_counter() - t)
-        return self.local.get(key)
-
-    def find(self, manifest: Any, machine: dict[str, Any]) -> Resolution:
-        """What ``manifest`` compiles to on this ``machine``: resolved in the local tier, else
-        pulled through from the remote and resolved again. A local entry that exists but is
-        damaged is reported (``Resolution.corrupt``), not replaced from the remote."""
+            machine = machine_factors(manifest.device, self.local.base / "toolchain")
         found = resolve(manifest, self.local, machine, record=True)
-        if found.entry is not None or found.corrupt is not None or self.remote is None:
-            return found
-        self._writable(f"pull {manifest.name} into it from {self.remote.url}")
-        from aotc.fleet.sync import pull_for_manifest
+        if found.entry is None and found.corrupt is None and self.remote is not None \
+                and self._pull_or_wait(Wanted.by_manifest(manifest, machine)) is not None:
+            found = resolve(manifest, self.local, machine, record=True)
+        if found.entry is not None:
+            self._checked(found.entry)
+        return found
+
+    # -- the one fleet journey --------------------------------------------------------------
+    def get_or_build(self, want: Wanted, build: Callable[[], T]) -> Served[T]:
+        """Serve ``want`` (module doc): the local entry, else the remote's (pulled through), else
+        ``build()`` under the remote's compile lease, then pushed. ``build`` stores what it makes
+        with :meth:`put` and returns something with the stored ``key``."""
+        entry = self._local(want)
+        if entry is not None:
+            return Served(entry=entry)
+        if self.remote is None:
+            return Served(built=build())
+        from aotc.fleet.lease import single_flight
+
+        def fetch() -> Served[T] | None:
+            try:
+                got = self._pull(want)
+            except (RemoteError, TrustError) as e:  # unreachable, damaged or refused
+                raise _Refused(e) from e
+            return None if got is None else Served(entry=got, pulled=True)
+
+        def build_and_push() -> Served[T]:
+            made = build()
+            return Served(built=made, pushed=self.push(made.key, want.what))
+
+        try:
+            return single_flight(self.remote, self._lease_id(want), want.what, fetch, build_and_push,
+                                 self.lease_ttl, self.lease_wait, say=self.progress.note)
+        except _Refused as e:
+            _LOG.warning("aotc: warning: %s: not taken from %s (%s); building it here", want.what,
+                         self.remote.url, e.args[0])
+        return build_and_push()
+
+    def put(self, key: str, name: str, blobs: dict[str, Any], factors: dict[str, Any],
+            metadata: dict[str, Any]) -> Entry:
+        """Store an entry in the local tier — signed in the same transaction when a signing key
+        is set, so it is never visible unsigned."""
+        self._writable(f"store entry {key[:16]}…")
+        return self.local.put(key, name, blobs, factors=factors, metadata=metadata,
+                              sign=None if self.signer is None else self.signer.sign)
+
+    def sign(self, key: str) -> str | None:
+        """Sign the local entry ``key`` with the signing key, if one is set and has not signed it
+        (an entry stored before the key was set); the signer's public key or None."""
+        return sign_with(self.local, key, self.signer)
+
+    def push(self, key: str, what: str = "") -> bool | None:
+        """Push local entry ``key`` to the remote (None: no remote); a failure is one warning
+        (the entry stands here; ``aotc push`` it later), never a failed start."""
+        if self.remote is None:
+            return None
+        from aotc.errors import AotcError
+        from aotc.fleet.sync import push_entry
+
+        try:
+            self.sign(key)
+            push_entry(self.local, self.remote, key, progress=self.progress)
+            return True
+        except AotcError as e:
+            _LOG.warning("aotc: warning: %s: stored here, but the push to %s failed (%s); "
+                         "`aotc push` it later", what or f"{key[:16]}…", self.remote.url, e)
+            return False
+
+    def publish(self, key: str, name: str, blobs: dict[str, Any], factors: dict[str, Any],
+                metadata: dict[str, Any]) -> Entry:
+        """:meth:`put` (signed) and :meth:`push`: how a front door ships a file it did not build
+        through :meth:`get_or_build` (vLLM's AOT record)."""
+        entry = self.put(key, name, blobs, factors, metadata)
+        self.push(key, name)
+        return entry
+
+    # -- the parts ---------------------------------------------------------------------------
+    def _local(self, want: Wanted) -> Entry | None:
+        if want.key is not None:
+            entry = self.local.get(want.key) if self.local.has(want.key) else None
+        else:
+            entry = resolve(want.manifest, self.local, want.machine or {}, record=True).entry
+        return None if entry is None else self._checked(entry)
+
+    def _checked(self, entry: Entry) -> Entry:
+        """``entry`` if the policy lets it load here: with trusted keys, every entry — local ones
+        included — needs a trusted signature before any blob is read (:mod:`aotc.fleet.trust`)."""
+        enforce(self.local, entry, self.policy)
+        return entry
+
+    def _lease_id(self, want: Wanted) -> str:
+        if want.key is not None:
+            return want.key
+        from aotc.lookup.resolve import base_factors
+        from aotc.records.key import compute_key
+
+        return compute_key(base_factors(want.manifest, want.machine or {}))
+
+    def _pull(self, want: Wanted) -> Entry | None:
+        """The remote's entry, pulled into the local tier; None when the remote has none."""
+        remote = self.remote
+        if remote is None:
+            return None
+        self._writable(f"pull {want.what} into it from {remote.url}")
+        from aotc.fleet import sync
 
         t = time.perf_counter()
+        if want.key is not None:
+            try:
+                moved = sync.pull_entry(remote, self.local, want.key, self.policy, self.progress)
+            except CacheMiss:
+                return None
+            key = want.key
+        else:
+            found = sync.pull_for_manifest(want.manifest, remote, self.local, want.machine or {},
+                                           self.policy, self.progress)
+            if found is None:
+                return None
+            moved, key = found, found.key
+        self.pulled_bytes += moved.bytes_moved
+        self.pull_seconds += time.perf_counter() - t
+        return self.local.get(key)
 
-        def pull() -> Any:
-            return pull_for_manifest(manifest, self.remote, self.local, machine, self.trusted,
-                                     self.progress)
-
-        pulled = pull()
-        if pulled is None and self.lease_wait > 0:  # being compiled elsewhere right now? wait for it
+    def _pull_or_wait(self, want: Wanted) -> Entry | None:
+        """:meth:`_pull`, else — when another process holds the compile lease — wait for it."""
+        got = self._pull(want)
+        if got is None and self.lease_wait > 0 and self.remote is not None:
             from aotc.fleet.lease import wait_for_holder
 
-            pulled = wait_for_holder(self.remote, found.probe, manifest.name, pull, self.lease_wait)
-        if pulled is None:
-            return found
-        self._pulled(pulled.bytes_moved, time.perf_counter() - t)
-        return resolve(manifest, self.local, machine, record=True)
+            got = wait_for_holder(self.remote, self._lease_id(want), want.what,
+                                  lambda: self._pull(want), self.lease_wait)
+        return got
 
     def _writable(self, what: str) -> None:
         if self.local.read_only:
             raise StoreReadOnlyError(str(self.local.root), what)
 
-    def _pulled(self, moved: int, seconds: float) -> None:
-        self.pulled_bytes += moved
-        self.pull_seconds += seconds
 
-
-def open_tiered(store: Any = None, remote: Any = None, trusted: frozenset[str] = frozenset(),
-                settings: Any = None, manifest: Any = None, create: bool = False) -> TieredStore:
-    """The tiered store a caller means: ``store`` (a ``Store``, a directory, an ``s3://`` URL
-    that then is the remote in front of the default local store; default ``AOTC_STORE``, else the
-    manifest's ``store`` field) and ``remote`` (a URL or a remote; default ``AOTC_REMOTE``).
-    The local store is created when missing if ``create`` or a remote tier is set."""
+def open_tiered(context: Any, manifest: Any = None, create: bool = False) -> TieredStore:
+    """The tiered store a ``context`` (:class:`aotc.context.Context`) names: its ``store`` (a
+    ``Store``, a directory, or an ``s3://``/``oci://`` URL that then is the remote in front of
+    the default local store; None: ``AOTC_STORE``, else the manifest's ``store`` field) and its
+    ``remote``. The local store is created when missing if ``create`` or a remote tier is set."""
     from aotc.lookup.stores import open_store, split_store
-    from aotc.settings import current
 
-    local, rem = split_store(store, remote, settings)
-    return TieredStore(open_store(local, manifest, create=create or rem is not None, settings=settings),
-                       rem, trusted, lease_wait=(settings or current()).lease_wait)
+    local, rem = split_store(context.store, context.remote, context.settings)
+    return TieredStore(open_store(local, manifest, create=create or rem is not None,
+                                  settings=context.settings),
+                       rem, context.trust, None if context.signing_key is None else context.signer,
+                       lease_ttl=context.lease.ttl, lease_wait=context.lease.wait)

@@ -14,8 +14,11 @@ A signature that does not match its entry (tampered) is refused even then. What 
 compiled itself loads without any key. With trusted keys set, the loader also checks every entry
 it loads, local ones included, before any blob is read, unpickled or dlopen-ed — so a node that
 must run only what CI signed says so with the keys alone. ``AOTC_SIGNING_KEY`` (a key file from
-``aotc keygen``) makes a compile, the backend and a push sign what they store
-(:func:`sign_if_configured`).
+``aotc keygen``) makes a compile, the backend and a push sign what they store: the key is read
+(:func:`load_signer`) where the journey starts, before any work, and the signature is written
+in the same transaction as the entry (``Store.put(..., sign=)``), so no entry is ever visible
+unsigned. The policy (:class:`TrustPolicy`) comes from the operator only — ``AOTC_TRUST_KEYS``,
+``--trust``, ``trust=`` — never from data such as a saved record.
 
 Why ed25519: small keys (32 bytes, printable as 64 hex chars), deterministic signatures, fast
 verification, and one well-maintained implementation in ``cryptography``.
@@ -25,32 +28,68 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aotc.cache import Entry, Store
 from aotc.errors import AotcError, TrustError
 from aotc.log import logger
-from aotc.settings import ENV, Settings, current
+from aotc.settings import ENV, Settings
 
 TRUST_ENV = ENV["trust_keys"]  # for messages: the variable is read in aotc.settings
 UNSIGNED_ENV = ENV["allow_unsigned"]
 _WARNED: set[str] = set()  # sources whose unsigned entries were let in, said once each
 
 
-class TrustPolicy(frozenset[str]):
-    """The trusted public keys (a frozenset of hex keys: empty = no keys) and whether unsigned
-    entries may cross a machine boundary (``allow_unsigned``, the explicit opt-out)."""
+@dataclass(frozen=True)
+class TrustPolicy:
+    """The operator's trust policy: the trusted public keys (hex; empty = no keys) and whether
+    unsigned entries may cross a machine boundary (``allow_unsigned``, the explicit opt-out).
+    Built at an entry point from the operator's settings and arguments only — never from data
+    (a saved record, an entry) — and checked with :meth:`check`."""
 
-    allow_unsigned: bool
+    keys: frozenset[str] = frozenset()
+    allow_unsigned: bool = False
 
-    def __new__(cls, keys: Iterable[str] = (), allow_unsigned: bool = False) -> TrustPolicy:
-        self = super().__new__(cls, keys)
-        self.allow_unsigned = allow_unsigned
-        return self
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", frozenset(self.keys))
 
-    def __repr__(self) -> str:
-        return f"TrustPolicy({sorted(self)!r}, allow_unsigned={self.allow_unsigned})"
+    def state(self, payload: bytes, sigs: dict[str, str]) -> str:
+        """``trusted``, ``bad-signature``, ``untrusted-signer`` or ``unsigned`` (:func:`payload_state`)."""
+        return payload_state(payload, sigs, self)
+
+    def check(self, entry: Entry, sigs: dict[str, str], crossing: str | None = None) -> None:
+        """Raise ``TrustError`` unless ``entry`` with signatures ``sigs`` may be used here
+        (:func:`enforce_payload`): ``crossing`` names where it comes from when it crosses a
+        machine boundary (a remote URL, a bundle)."""
+        enforce_payload(Store.signing_payload(entry), sigs, self, entry, crossing)
+
+
+NO_KEYS = TrustPolicy()  # the default policy: no trusted keys; unsigned entries refused when crossing
+
+
+@dataclass(frozen=True)
+class Signer:
+    """A private signing key, read (and checked) once where a journey starts: ``sign(payload)``
+    gives ``(public key hex, signature hex)`` — what ``Store.put(..., sign=)`` takes."""
+
+    path: str
+    public: str
+    _private: Any = field(repr=False, compare=False)
+
+    def sign(self, payload: bytes) -> tuple[str, str]:
+        """The signature of ``payload`` by this key."""
+        return self.public, self._private.sign(payload).hex()
+
+
+def load_signer(path: str | Path | None) -> Signer | None:
+    """The signer of the key file at ``path`` (``AOTC_SIGNING_KEY``); None without a path. A
+    file that is not a key raises ``TrustError`` at once — before any work is done."""
+    if not path:
+        return None
+    private = _private_key(path)
+    return Signer(str(path), _public_hex(private), private)
 
 
 def _crypto() -> Any:
@@ -107,15 +146,20 @@ def _parse_public(text: str) -> str:
     return text.lower()
 
 
-def trust_policy(explicit: Iterable[str] = (), settings: Settings | None = None,
+def trust_policy(explicit: Iterable[str] | TrustPolicy = (), settings: Settings | None = None,
                  allow_unsigned: bool = False) -> TrustPolicy:
-    """The trusted public keys — ``explicit`` ones plus the settings' (``AOTC_TRUST_KEYS``) — and
-    the opt-out (``allow_unsigned``, an ``explicit`` ``TrustPolicy``'s, or the settings'
-    ``AOTC_ALLOW_UNSIGNED``)."""
-    settings = settings or current()
-    found = [*explicit, *settings.trust_keys]
-    allow = allow_unsigned or settings.allow_unsigned or getattr(explicit, "allow_unsigned", False)
-    return TrustPolicy((_parse_public(t) for t in found if t.strip()), bool(allow))
+    """The operator's policy: ``explicit`` keys (or a ``TrustPolicy``, whose keys and opt-out
+    are kept) plus the ``settings``' (``AOTC_TRUST_KEYS``, ``AOTC_ALLOW_UNSIGNED``; None: the
+    arguments alone) and the opt-out ``allow_unsigned``."""
+    if isinstance(explicit, TrustPolicy):
+        keys = list(explicit.keys)
+    else:
+        keys = [explicit] if isinstance(explicit, str) else list(explicit)
+    allow = allow_unsigned or (isinstance(explicit, TrustPolicy) and explicit.allow_unsigned)
+    if settings is not None:
+        keys += settings.trust_keys
+        allow = allow or settings.allow_unsigned
+    return TrustPolicy(frozenset(_parse_public(t) for t in keys if t.strip()), bool(allow))
 
 
 def public_key_of(private_key_path: Path | str) -> str:
@@ -127,19 +171,18 @@ def _public_hex(private: Any) -> str:
     return str(private.public_key().public_bytes_raw().hex())
 
 
-def sign_if_configured(store: Store, key: str, settings: Settings | None = None) -> str | None:
-    """Sign entry ``key`` with ``AOTC_SIGNING_KEY`` when it is set (and that key has not signed
-    it yet); returns the signer's public key, or None when no signing key is configured."""
-    path = (settings or current()).signing_key
-    if not path:
+def sign_with(store: Store, key: str, signer: Signer | None) -> str | None:
+    """Sign entry ``key`` with ``signer`` unless it has signed it already; the signer's public
+    key, or None without a signer (an entry put with ``sign=`` is signed already)."""
+    if signer is None:
         return None
-    public = public_key_of(path)
-    if public not in store.signatures(key):
-        sign_entry(store, key, path)
-    return public
+    if signer.public not in store.signatures(key):
+        entry = store.get(key, record=False)
+        store.add_signature(key, *signer.sign(store.signing_payload(entry)))
+    return signer.public
 
 
-def signature_state(store: Store, entry: Entry, trusted: frozenset[str]) -> str:
+def signature_state(store: Store, entry: Entry, trusted: TrustPolicy) -> str:
     """``trusted`` (a valid signature by a trusted key), ``bad-signature`` (a signature that does
     not match the entry: tampered), ``untrusted-signer`` (valid, but by no trusted key) or
     ``unsigned``."""
@@ -161,39 +204,38 @@ def valid_signatures(payload: bytes, sigs: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def payload_state(payload: bytes, sigs: dict[str, str], trusted: frozenset[str]) -> str:
+def payload_state(payload: bytes, sigs: dict[str, str], trusted: TrustPolicy) -> str:
     """``signature_state`` for a signing payload and its signatures held anywhere (a bundle)."""
     if not sigs:
         return "unsigned"
     valid = set(valid_signatures(payload, sigs))
-    if valid & trusted:
+    if valid & trusted.keys:
         return "trusted"
     if len(valid) < len(sigs):
         return "bad-signature"
     return "untrusted-signer"
 
 
-def enforce(store: Store, entry: Entry, trusted: frozenset[str]) -> None:
+def enforce(store: Store, entry: Entry, trusted: TrustPolicy) -> None:
     """Raise ``TrustError`` unless ``entry`` (in the local store) is signed by a key in
     ``trusted``; no check without trusted keys (what is local was compiled here, or was checked
     when it crossed into this store). ``allow_unsigned`` lets unsigned entries load."""
-    if trusted:
-        enforce_payload(store.signing_payload(entry), store.signatures(entry.key), trusted, entry)
+    if trusted.keys:
+        trusted.check(entry, store.signatures(entry.key))
 
 
-def enforce_payload(payload: bytes, sigs: dict[str, str], trusted: frozenset[str],
+def enforce_payload(payload: bytes, sigs: dict[str, str], trusted: TrustPolicy,
                     entry: Entry, crossing: str | None = None) -> None:
     """The check for a payload and its signatures. ``crossing``: where the entry comes from when
     it crosses a machine boundary (a remote URL, a bundle path) — then a trusted signature is
     needed even without keys, unless the policy allows unsigned entries; otherwise only under
     trusted keys (:func:`enforce`)."""
-    if not trusted and crossing is None:
+    if not trusted.keys and crossing is None:
         return
     state = payload_state(payload, sigs, trusted)
     if state == "trusted":
         return
-    allow = getattr(trusted, "allow_unsigned", False)
-    if allow and state != "bad-signature":
+    if trusted.allow_unsigned and state != "bad-signature":
         source = crossing or "this store"
         if source not in _WARNED:
             _WARNED.add(source)
@@ -203,7 +245,7 @@ def enforce_payload(payload: bytes, sigs: dict[str, str], trusted: frozenset[str
     why = {"unsigned": "it is not signed",
            "bad-signature": "its signature does not match its contents (tampered?)",
            "untrusted-signer": "it is signed, but by no trusted key"}[state]
-    if crossing is not None and not trusted and state != "bad-signature":
+    if crossing is not None and not trusted.keys and state != "bad-signature":
         raise TrustError(f"refusing entry {entry.key[:16]}… ({entry.name}) from {crossing}: {why} "
                          f"and no trusted key is set; set {TRUST_ENV} (or --trust) to the public "
                          f"key it is signed with, or {UNSIGNED_ENV}=1 / --allow-unsigned to accept "
@@ -214,7 +256,7 @@ def enforce_payload(payload: bytes, sigs: dict[str, str], trusted: frozenset[str
                      "--key KEYFILE` (or AOTC_SIGNING_KEY where it is built)")
 
 
-def signature_report(store: Store, trusted: frozenset[str]) -> list[dict[str, Any]]:
+def signature_report(store: Store, trusted: TrustPolicy) -> list[dict[str, Any]]:
     """Each entry's signature state (``signature_state``) with its signers, oldest first."""
     out = []
     for key in store.keys():

@@ -9,12 +9,14 @@ from typing import Any
 
 from aotc.cache import Store
 from aotc.manifest import Manifest, load_manifest
-from aotc.settings import Settings, current, is_remote_url
+from aotc.settings import Settings, is_remote_url
 
 
 def open_store(store: Any, manifest: Manifest | None = None, create: bool = False,
                settings: Settings | None = None) -> Store:
-    """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default.
+    """A ``Store`` from a Store, a path, the manifest's ``store`` field, or the default (the
+    entry point's ``settings``: ``AOTC_STORE``, else ``$XDG_CACHE_HOME/aotc``; without settings
+    ``~/.cache/aotc``).
     ``create``: make it when missing (journeys that write); otherwise a missing store is a
     ``StoreNotFoundError`` naming the path."""
     if isinstance(store, Store):
@@ -23,22 +25,21 @@ def open_store(store: Any, manifest: Manifest | None = None, create: bool = Fals
         return Store(store, create=create)
     if manifest is not None and manifest.store is not None:
         return Store(manifest.store, create=create)
-    return Store((settings or current()).default_store_path(), create=create)
+    return Store((settings or Settings()).default_store_path(), create=create)
 
 
-def split_store(store: Any, remote: Any = None, settings: Settings | None = None) -> tuple[Any, Any]:
-    """(local store argument, ``S3Remote`` or None) from what a caller passed: ``store`` may be a
-    remote URL (then the local store is the default one; so is an ``AOTC_STORE`` that is one),
-    ``remote`` a URL or an ``S3Remote``; with neither, ``AOTC_REMOTE``."""
+def split_store(store: Any, remote: Any, settings: Settings) -> tuple[Any, Any]:
+    """(local store argument, a ``Remote`` or None) from what a caller passed: ``store`` may be
+    a remote URL (then the local store is the default one; so is an ``AOTC_STORE`` that is
+    one), ``remote`` a URL or a remote; with neither, the settings' ``AOTC_REMOTE``."""
     from aotc.fleet.remote import open_remote
 
-    settings = settings or current()
     if store is None and settings.store_is_remote:
         store = settings.store
     if is_remote_url(store):
         store, remote = None, remote or store
     if remote is None or isinstance(remote, str):
-        remote = open_remote(remote, settings=settings)
+        remote = open_remote(remote, settings)
     return store, remote
 
 

@@ -70,6 +70,9 @@ def fingerprint(device: str) -> str:
         "cpu": _cpu_identity(),
         "env": codegen_env(),  # not the cache dir: one memo serves every Inductor cache dir
         "device": device.split(":")[0],
+        # how the memo's values are computed: a new aotc (another set of keyed settings) recomputes
+        "facts": _stat(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_torch",
+                                    "inductor_facts.py")),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -108,3 +111,23 @@ def machine_factors(device: str, memo_dir: Path | None = None) -> dict[str, Any]
         live = inductor_facts.toolchain_factors(device)
         memo["toolchain"].update({k: v for k, v in live.items() if k in _GPU_FIELDS})
     return memo
+
+
+def check_built_here(entry: Any, memo_dir: Path | None) -> None:
+    """Raise ``LoadError`` unless ``entry`` was built with this machine's toolchain (compiler,
+    CPU ISA or GPU, torch, Python) and this aotc's compile logic — the check for an entry
+    loaded by key alone (``aotc.load(key=…)``, a saved backend record), whose key this process
+    did not compute from its own toolchain. ``memo_dir``: the store's toolchain memo."""
+    from aotc.errors import LoadError
+    from aotc.lookup.compile_logic import compile_logic_hash
+
+    device = str(entry.metadata.get("device") or "cpu")
+    mine: dict[str, Any] = machine_factors(device, memo_dir)["toolchain"]
+    theirs = entry.factors.get("toolchain") or {}
+    if theirs != mine:
+        differ = sorted(k for k in set(mine) | set(theirs) if theirs.get(k) != mine.get(k))
+        raise LoadError(f"stored entry {entry.key[:16]}… ({entry.name}) was built for another machine "
+                        f"(toolchain differs in {', '.join(differ[:4])}); compile it here")
+    if (entry.factors.get("aotc") or {}).get("compile_logic") != compile_logic_hash():
+        raise LoadError(f"stored entry {entry.key[:16]}… ({entry.name}) was built by another aotc "
+                        "version; compile it again")

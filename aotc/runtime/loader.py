@@ -15,23 +15,22 @@ import shutil
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotc.cache import CacheMiss, Entry, Store, unpacked
+from aotc.context import Context
 from aotc.errors import LoadError
-from aotc.fleet.tiered import TieredStore, open_tiered
-from aotc.fleet.trust import enforce, trust_policy
+from aotc.fleet.tiered import TieredStore
 from aotc.log import configure
 from aotc.lookup.stores import as_manifest
-from aotc.lookup.toolchain import machine_factors
 from aotc.manifest import Manifest
 from aotc.model.build import build_model
 from aotc.records.program import PROGRAM_ROLE, Program
 from aotc.runtime.rehydrate import rehydrate
 from aotc.runtime.runner import Runner
 from aotc.runtime.stitched import Timings
-from aotc.settings import current
 
 if TYPE_CHECKING:
     from aotc.runtime.cudagraph import GraphedRunner
@@ -55,8 +54,7 @@ def _workdir() -> Path:
 
 def _find_entry(manifest: Manifest, tiered: TieredStore, timings: Timings) -> Entry:
     t = time.perf_counter()
-    toolchain = machine_factors(manifest.device, tiered.local.base / "toolchain")
-    res = tiered.find(manifest, toolchain)  # the local tier, else pulled through from the remote
+    res = tiered.find(manifest)  # the local tier, else pulled through from the remote
     timings.add("resolve", time.perf_counter() - t - tiered.pull_seconds)
     if tiered.pulled_bytes:
         timings.add("pull", tiered.pull_seconds)
@@ -107,16 +105,13 @@ def _writable_kernels(store: Store, kernels: Path, rels: list[str]) -> Path:
 
 
 def rehydrate_entry(entry: Entry, store: Store, timings: Timings, options: dict[str, Any] | None,
-                    trusted: frozenset[str] = frozenset(),
-                    fast: bool | None = None) -> tuple[Program, dict[str, dict[int | None, Any]]]:
-    """An entry's program and its artifacts as callables (by unique piece and size): signature
-    checked under a trust policy, every file verified (the store's unpacked copy, or a
-    per-process directory for a read-only store), each artifact rehydrated (the fast path where
-    recorded, unless ``fast`` is False)."""
+                    fast: bool = True) -> tuple[Program, dict[str, dict[int | None, Any]]]:
+    """An entry's program and its artifacts as callables (by unique piece and size): every file
+    verified (the store's unpacked copy, or a per-process directory for a read-only store), each
+    artifact rehydrated (the fast path where recorded, unless ``fast`` is False: the context's
+    ``loader``). The entry is one the tiered store handed out: trust-checked there."""
     t = time.perf_counter()
-    enforce(store, entry, trusted)
     program = Program.from_json(store.read_blob(entry, PROGRAM_ROLE))
-    fast = current().loader != "inductor" if fast is None else fast
     files = {role: f"kernels/{rel}" for rel, role in program.kernel_roles.items()}
     for a in program.artifacts:
         role = a.wrapper_role if fast and a.wrapper_role else a.role
@@ -136,14 +131,13 @@ def rehydrate_entry(entry: Entry, store: Store, timings: Timings, options: dict[
 
 def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None = None,
                options: dict[str, Any] | None = None, cudagraph: str = "piecewise",
-               capture_sizes: Any = None, trusted: frozenset[str] = frozenset(),
-               fast: bool | None = None) -> Runner | GraphedRunner:
+               capture_sizes: Any = None, fast: bool = True) -> Runner | GraphedRunner:
     """Rehydrate one entry into a Runner bound to ``model``; on CUDA, capture graphs
-    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). Under a trust policy
-    (``trusted`` public keys) the entry's signature is checked before any blob is read.
-    ``fast``: the no-Inductor fast path where recorded (default: unless ``AOTC_LOADER=inductor``)."""
+    (``cudagraph`` mode) for ``capture_sizes`` (default: the program's). ``entry``: as the
+    tiered store handed it out (trust-checked there, before any blob is read). ``fast``: the
+    no-Inductor fast path where recorded (the context's ``loader``)."""
     timings = timings or Timings()
-    program, by_uid = rehydrate_entry(entry, store, timings, options, trusted, fast)
+    program, by_uid = rehydrate_entry(entry, store, timings, options, fast)
     runner = Runner(program, by_uid, model, key=entry.key, timings=timings)
     sizes = program.capture_sizes if capture_sizes is None else capture_sizes
     if program.device.startswith("cuda") and cudagraph != "none" and sizes:
@@ -153,41 +147,70 @@ def load_entry(entry: Entry, store: Store, model: Any, timings: Timings | None =
     return runner
 
 
-def load(manifest_or_key: Manifest | str | Path, model: Any = None, store: Any = None,
-         device: str | None = None, trust: Any = (), remote: Any = None) -> Runner | GraphedRunner:
-    """Warm-start a compiled model (see module doc).
+def load(manifest: Manifest | str | Path | None = None, model: Any = None, store: Any = None,
+         device: str | None = None, trust: Any = (), remote: Any = None, *, key: str | None = None,
+         context: Context | None = None) -> Runner | GraphedRunner:
+    """Warm-start a compiled model (see module doc). Two explicit paths:
 
-    ``manifest_or_key``: a manifest (object or path) — the key is resolved for this machine — or
-    a stored key (64 hex chars; then ``model`` is required). ``model``: the module whose
-    parameters to bind (the server's own weights); built from the manifest when None.
-    ``device`` overrides the manifest's device. ``trust``: public keys (hex) to require a
-    signature by, besides ``AOTC_TRUST_KEYS`` (``aotc.fleet.trust``). ``remote``: a remote store
-    (``s3://bucket/prefix`` or an ``aotc.fleet.remote.S3Remote``; default ``AOTC_REMOTE``) to pull the
-    entry from on a local miss; ``store="s3://…"`` means that remote in front of the default local
-    store. Raises ``CacheMiss`` naming the fix, ``TrustError`` for an entry the policy refuses.
-    """
+    - ``manifest`` (a ``Manifest`` or a path to one): the key is resolved for this machine;
+      ``model`` (the module whose parameters to bind: the server's own weights) is built from
+      the manifest when None; ``device`` overrides the manifest's device.
+    - ``key=`` a stored key (64 hex chars) with ``model=`` required: the entry must have been
+      built for this machine's toolchain and this aotc (else ``LoadError``).
+
+    ``trust``: public keys (hex) to require a signature by, besides ``AOTC_TRUST_KEYS``
+    (:mod:`aotc.fleet.trust`). ``remote``: a remote store (``s3://…``, ``oci://…`` or a remote
+    object; default ``AOTC_REMOTE``) to pull the entry from on a local miss; ``store="s3://…"``
+    means that remote in front of the default local store. ``context``: an entry point's
+    :class:`~aotc.context.Context` (default: the environment with these arguments). Raises
+    ``CacheMiss`` naming the fix, ``TrustError`` for an entry the policy refuses."""
+    context = context or Context.from_env(store=store, remote=remote, trust=trust)  # read once
+    configure(context.settings.log)
+    if key is not None and manifest is None:
+        found = _by_key(key, model, context)
+    elif manifest is not None and key is None:
+        found = _by_manifest(as_manifest(manifest), model, device, context)
+    else:
+        raise LoadError("aotc.load: give a manifest (a path or a Manifest) or key= (a stored "
+                        "key, with model=), not both and not neither")
+    return load_entry(found.entry, found.store, found.model, found.timings, options=found.options,
+                      cudagraph=found.cudagraph, capture_sizes=found.capture_sizes,
+                      fast=context.loader != "inductor")
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What a load path found: the entry (trust-checked), its store, the model to bind and how
+    to load it."""
+
+    entry: Entry
+    store: Store
+    model: Any
+    timings: Timings
+    options: dict[str, Any]
+    cudagraph: str = "piecewise"
+    capture_sizes: Any = None
+
+
+def _by_key(key: str, model: Any, context: Context) -> _Found:
+    if model is None:
+        raise LoadError("loading by key needs `model=`: the module whose weights to bind")
     timings = Timings()
-    settings = current()  # the AOTC_* variables, read once for this load
-    configure(settings.log)
-    trusted = trust_policy(trust, settings)
-    fast = settings.loader != "inductor"
-    if isinstance(manifest_or_key, str) and len(manifest_or_key) == 64 and not Path(manifest_or_key).exists():
-        if model is None:
-            raise LoadError("loading by key needs `model=`: the module whose weights to bind")
-        tiered = open_tiered(store, remote, trusted, settings)
-        entry = tiered.get(manifest_or_key)
-        timings.pulled_bytes = tiered.pulled_bytes
-        options = entry.factors.get("inductor", {}).get("patches", {})
-        return load_entry(entry, tiered.local, model, timings, options=options, trusted=trusted, fast=fast)
-    manifest = as_manifest(manifest_or_key)
+    tiered = context.open_tiered()
+    entry = tiered.get(key, built_here=True)  # a key from elsewhere: built for this machine?
+    timings.pulled_bytes = tiered.pulled_bytes
+    return _Found(entry, tiered.local, model, timings, entry.factors.get("inductor", {}).get("patches", {}))
+
+
+def _by_manifest(manifest: Manifest, model: Any, device: str | None, context: Context) -> _Found:
+    timings = Timings()
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)
-    tiered = open_tiered(store, remote, trusted, settings, manifest)
+    tiered = context.open_tiered(manifest)
     entry = _find_entry(manifest, tiered, timings)
     if model is None:
         t = time.perf_counter()
         model = build_model(manifest)
         timings.add("build model", time.perf_counter() - t)
-    return load_entry(entry, tiered.local, model, timings, options=dict(manifest.inductor),
-                      cudagraph=manifest.cudagraph, capture_sizes=manifest.capture_sizes,
-                      trusted=trusted, fast=fast)
+    return _Found(entry, tiered.local, model, timings, dict(manifest.inductor), manifest.cudagraph,
+                  manifest.capture_sizes)
