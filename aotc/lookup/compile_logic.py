@@ -38,7 +38,7 @@ NOT_COMPILE_LOGIC: dict[str, str] = {
     "aotc.records.entry_record": "the portable record of a stored entry (bundles, remotes)",
     "aotc.runtime.loader": _WARM, "aotc.runtime.cudagraph": _WARM, "aotc.runtime.report": _WARM,
     "aotc.vllm": _VLLM, "aotc.vllm.generate": _VLLM, "aotc.vllm.manifest": _VLLM,
-    "aotc.vllm.plugin": "puts a stored vLLM record where vLLM looks; compiles nothing",
+    "aotc.vllm.plugin": "brings and ships vLLM's AOT records; compiles nothing",
     "aotc.vllm.aot_records": "stores and brings back vLLM's AOT record byte for byte",
     "aotc.models": "example models: traced, so their source is in the key's code factor",
     "aotc.models.toy_llama": "example models: traced, so their source is in the key's code factor",

@@ -9,7 +9,11 @@ A restart finds that file and never runs Dynamo nor calls the backend; a new nod
 
 Here that file becomes an aotc entry of its own (role :data:`RECORD_ROLE`) keyed by vLLM's hash,
 the layout and this machine's toolchain, so it is signed, pushed, pulled, verified and collected
-like any entry. :func:`store_records` keeps the files an engine run wrote; :func:`materialize`
+like any entry. Both front doors store it the same way, with :meth:`TieredStore.publish
+<aotc.fleet.tiered.TieredStore.publish>` (signed in the put's transaction, pushed): ``aotc
+compile`` of a vLLM manifest keeps the files its engine run wrote (:func:`store_records`), and the
+vLLM plugin keeps the record a serving process just saved after its own first compile
+(:func:`store_record`, :func:`store_modelinfo`; :mod:`aotc.vllm.plugin`). :func:`materialize`
 writes one back exactly where vLLM is about to look — only under the hash vLLM computed for
 itself on this node, so a changed model config, dtype, batch size, vLLM or torch version or
 process layout asks for another key and finds nothing. The record is written only when it and
@@ -25,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotc.fleet.trust import enforce, sign_if_configured
+from aotc.fleet.trust import enforce
 from aotc.records.key import compute_key
 
-__all__ = ["MODELINFO_ROLE", "RECORD_ROLE", "RecordPlace", "materialize", "materialize_modelinfo",
-           "modelinfo_factors", "modelinfo_key", "place_of", "record_key", "store_records", "vllm_version"]
+__all__ = ["MODELINFO_ROLE", "RECORD_ROLE", "RecordPlace", "cache_root_of", "materialize",
+           "materialize_modelinfo", "modelinfo_factors", "modelinfo_key", "place_of", "record_factors",
+           "record_key", "store_modelinfo", "store_record", "store_records", "vllm_version"]
 
 RECORD_ROLE = "vllm-aot-record"
 MODELINFO_ROLE = "vllm-modelinfo"  # vLLM's inspection of a model class ($VLLM_CACHE_ROOT/modelinfos)
@@ -63,10 +68,19 @@ def place_of(path: str | os.PathLike[str]) -> RecordPlace | None:
     return RecordPlace(vllm_hash, layout)
 
 
+def cache_root_of(path: str | os.PathLike[str]) -> Path | None:
+    """The vLLM cache root (``VLLM_CACHE_ROOT``) a record path lies under; None for any other path."""
+    return Path(path).parents[4] if place_of(path) is not None else None
+
+
+def record_factors(place: RecordPlace, toolchain: dict[str, Any]) -> dict[str, Any]:
+    """What a record depends on: vLLM's hash, the process layout and the machine's toolchain."""
+    return {"vllm_aot": {"hash": place.vllm_hash, "layout": place.layout}, "toolchain": toolchain}
+
+
 def record_key(place: RecordPlace, toolchain: dict[str, Any]) -> str:
     """The store key of the record at ``place`` for a machine with that ``toolchain``."""
-    return compute_key({"vllm_aot": {"hash": place.vllm_hash, "layout": place.layout},
-                        "toolchain": toolchain})
+    return compute_key(record_factors(place, toolchain))
 
 
 def modelinfo_factors(filename: str, module_hash: str, vllm_version: str) -> dict[str, Any]:
@@ -103,33 +117,56 @@ def find_records(cache_root: Path) -> list[tuple[RecordPlace, Path]]:
     return found
 
 
+def _tiered(store: Any) -> Any:
+    """A ``TieredStore`` as given, or a plain ``Store`` as a local-only one (no signer, no remote)."""
+    from aotc.fleet.tiered import TieredStore
+
+    return store if isinstance(store, TieredStore) else TieredStore(store)
+
+
+def store_record(tiered: Any, place: RecordPlace, data: bytes, name: str, graph_keys: list[str],
+                 vllm_version: str) -> str:
+    """Publish one record (its bytes ``data``, saved by vLLM at ``place``) as an entry naming
+    the graph entries it loads — local in ``tiered`` — keyed for their toolchain (the machine
+    they were built for, which is the one that can load them); returns its key. Signed in the
+    put when ``tiered`` has a signer; pushed when it has a remote."""
+    if not graph_keys:
+        raise ValueError("a vLLM AOT record names at least one graph entry")
+    toolchain = tiered.local.get(graph_keys[-1], record=False).factors.get("toolchain", {})
+    key = record_key(place, toolchain)
+    tiered.publish(key, name, {RECORD_ROLE: data}, factors=record_factors(place, toolchain),
+                   metadata={"kind": RECORD_ROLE, "graph_keys": list(graph_keys), "vllm": vllm_version})
+    return key
+
+
+def store_modelinfo(tiered: Any, path: Path, name: str, vllm_version: str) -> str | None:
+    """Publish vLLM's model-class inspection ``path`` (``modelinfos/*.json``; a fresh cache root
+    spends seconds in a subprocess making it); its key, or None for a file vLLM did not write
+    whole."""
+    try:
+        data = path.read_bytes()
+        module_hash = json.loads(data)["hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not one vLLM wrote whole: a replica inspects the class itself
+    factors = modelinfo_factors(path.name, str(module_hash), vllm_version)
+    key = compute_key(factors)
+    tiered.publish(key, name, {MODELINFO_ROLE: data}, factors=factors,
+                   metadata={"kind": MODELINFO_ROLE, "vllm": vllm_version})
+    return key
+
+
 def store_records(store: Any, cache_root: Path, name: str, graph_keys: list[str],
                   vllm_version: str) -> list[str]:
-    """Store every record an engine run wrote under ``cache_root`` as an entry naming the graph
-    entries it loads (their toolchain is the record's), and vLLM's model-class inspections
-    (``modelinfos/*.json``: a fresh cache root spends seconds in a subprocess making them);
-    returns the keys."""
-    toolchain = store.get(graph_keys[-1], record=False).factors.get("toolchain", {})
-    keys = []
-    for place, path in find_records(cache_root):
-        key = record_key(place, toolchain)
-        store.put(key, name, {RECORD_ROLE: path.read_bytes()},
-                  factors={"vllm_aot": {"hash": place.vllm_hash, "layout": place.layout},
-                           "toolchain": toolchain},
-                  metadata={"kind": RECORD_ROLE, "graph_keys": list(graph_keys), "vllm": vllm_version})
-        sign_if_configured(store, key)
-        keys.append(key)
+    """Publish every record an engine run wrote under ``cache_root`` (:func:`store_record`) and
+    vLLM's model-class inspections (:func:`store_modelinfo`); returns the keys. ``store``: a
+    ``TieredStore`` (signed, pushed) or a plain ``Store`` (local only)."""
+    tiered = _tiered(store)
+    keys = [store_record(tiered, place, path.read_bytes(), name, graph_keys, vllm_version)
+            for place, path in find_records(cache_root)]
     for path in sorted(cache_root.joinpath("modelinfos").glob("*.json")):
-        try:
-            module_hash = json.loads(path.read_text())["hash"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not one vLLM wrote whole: a replica inspects the class itself
-        factors = modelinfo_factors(path.name, str(module_hash), vllm_version)
-        key = compute_key(factors)
-        store.put(key, name, {MODELINFO_ROLE: path.read_bytes()}, factors=factors,
-                  metadata={"kind": MODELINFO_ROLE, "vllm": vllm_version})
-        sign_if_configured(store, key)
-        keys.append(key)
+        key = store_modelinfo(tiered, path, name, vllm_version)
+        if key is not None:
+            keys.append(key)
     return keys
 
 
@@ -146,18 +183,18 @@ def materialize(tiered: Any, path: str | os.PathLike[str], device: str) -> str:
         return "not a vLLM AOT record path"
     toolchain = machine_factors(device, tiered.local.base / "toolchain")["toolchain"]
     key = record_key(place, toolchain)
-    try:
-        entry = tiered.get(key)
+    try:  # records are stored whole by a finished run, never under a compile lease: no wait
+        entry = tiered.get(key, wait=False)
     except CacheMiss:
         return f"no record for vLLM hash {place.vllm_hash[:12]}… {place.layout} on this machine"
     if entry.metadata.get("kind") != RECORD_ROLE or RECORD_ROLE not in entry.blobs:
         return f"entry {key[:16]}… is not a vLLM AOT record"
     # vLLM unpickles the record (Dynamo's bytecode): under trusted keys every entry it needs must
     # be signed by one, a local one too — as the loader checks an entry before reading a blob
-    enforce(tiered.local, entry, tiered.trusted)
+    enforce(tiered.local, entry, tiered.policy)
     for graph_key in entry.metadata.get("graph_keys", []):
-        graph = tiered.get(str(graph_key))  # pulled through, verified, trust-checked
-        enforce(tiered.local, graph, tiered.trusted)
+        graph = tiered.get(str(graph_key), wait=False)  # pulled through, verified, trust-checked
+        enforce(tiered.local, graph, tiered.policy)
     tiered.local.extract_blob(entry, RECORD_ROLE, path)  # a private temp file beside it, renamed
     return "written"
 
@@ -172,10 +209,10 @@ def materialize_modelinfo(tiered: Any, path: str | os.PathLike[str], module_hash
     target = Path(path)
     key = modelinfo_key(target.name, module_hash, vllm_version)
     try:
-        entry = tiered.get(key)
+        entry = tiered.get(key, wait=False)
     except CacheMiss:
         return f"no stored modelinfo {target.name}"
-    enforce(tiered.local, entry, tiered.trusted)
+    enforce(tiered.local, entry, tiered.policy)
     data = tiered.local.read_blob(entry, MODELINFO_ROLE) if MODELINFO_ROLE in entry.blobs else b""
     try:
         ok = json.loads(data)["hash"] == module_hash

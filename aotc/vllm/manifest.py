@@ -129,17 +129,22 @@ def load_vllm_manifest(path: str | Path) -> VllmManifest:
 
 
 def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
-                 remote: Any = None) -> Any:
+                 remote: Any = None, signer: Any = None) -> Any:
     """Run the engine once with the aotc backend into ``store`` (a fresh vLLM cache, so Dynamo
-    traces and the backend is called), push the entries to ``remote`` if given, and return a
-    ``CompileResult`` for the engine's graph."""
+    traces and the backend is called), publish vLLM's records, push the entries, and return a
+    ``CompileResult`` for the engine's graph. ``store``: the context's ``TieredStore`` (its
+    remote and signing key), or a ``Store`` with ``remote`` and ``signer``
+    (:class:`aotc.fleet.trust.Signer`) given here."""
     from aotc.compile.pipeline import CompileResult
     from aotc.errors import VllmError
+    from aotc.fleet.tiered import TieredStore
     from aotc.vllm.generate import run_fresh
 
     if force:
         raise InputError("--force is not supported for a vLLM manifest: remove the entry "
                          "(`aotc gc --max-size 0` or a new store) to compile it again")
+    tiered = store if isinstance(store, TieredStore) else TieredStore(store, remote, signer=signer)
+    store = tiered.local
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="aotc-vllm-compile-") as tmp:
         report = Path(tmp) / "report.jsonl"
@@ -163,14 +168,12 @@ def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
             raise VllmError(f"the engine ran but never called the aotc backend (is compilation "
                             f"mode 2 honoured by this vLLM?); nothing was compiled for {manifest.name}")
         graph_keys = list(dict.fromkeys(line["key"] for line in lines))
-        records = _keep_records(store, Path(env["VLLM_CACHE_ROOT"]), manifest.name, graph_keys)
+        for key in graph_keys:  # signed (when a key is set) and pushed before the records naming them
+            tiered.sign(key)
+            tiered.push(key, manifest.name)
+        records = _keep_records(tiered, Path(env["VLLM_CACHE_ROOT"]), manifest.name, graph_keys)
     last = lines[-1]
     entry = store.get(last["key"], record=False)
-    if remote is not None:
-        from aotc.fleet.sync import push_entry
-
-        for key in graph_keys + records:
-            push_entry(store, remote, key)
     meta = entry.metadata
     hit = all(x["hit"] for x in lines)
     return CompileResult(
@@ -185,13 +188,13 @@ def compile_vllm(manifest: VllmManifest, store: Any, force: bool = False,
         vllm_records=records)
 
 
-def _keep_records(store: Any, cache_root: Path, name: str, graph_keys: list[str]) -> list[str]:
-    """Store vLLM's AOT records the run wrote (:mod:`aotc.vllm.aot_records`); a vLLM that wrote
+def _keep_records(tiered: Any, cache_root: Path, name: str, graph_keys: list[str]) -> list[str]:
+    """Publish vLLM's AOT records the run wrote (:mod:`aotc.vllm.aot_records`); a vLLM that wrote
     none (its AOT cache off) leaves new replicas tracing, said in one line."""
     from aotc.log import logger
     from aotc.vllm.aot_records import store_records, vllm_version
 
-    keys = store_records(store, cache_root, name, graph_keys, vllm_version())
+    keys = store_records(tiered, cache_root, name, graph_keys, vllm_version())
     if not keys:
         logger("vllm").warning("aotc: the engine saved no AOT record (VLLM_USE_AOT_COMPILE=0?): "
                                "new replicas of %s will run Dynamo at start", name)
