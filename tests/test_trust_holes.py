@@ -97,3 +97,28 @@ def _entries(root: Path) -> list[str]:
         return []
     with sqlite3.connect(index) as db:
         return [k for (k,) in db.execute("SELECT key FROM entries")]
+
+
+def test_signatures_of_another_record_are_never_added_to_held_content(tmp_path: Path) -> None:
+    """A bundle (or a pull) of content this store holds already, under another record (a second
+    build of one key: other timings in its metadata), brings signatures that do not cover the
+    record held here: they are not added (they would read as tampered under a policy)."""
+    from aotc.cache import Store
+    from aotc.fleet.bundle import export_entry, import_bundle
+    from aotc.fleet.trust import TrustPolicy, generate_key, payload_state, sign_entry
+
+    from aotc.records.key import compute_key
+
+    factors = {"graph": {"what": "a test entry"}}
+    k = compute_key(factors)  # a bundle's record is checked: its key is the hash of its factors
+    public = generate_key(tmp_path / "signer")
+    built = Store(tmp_path / "built", create=True)
+    built.put(k, "e", {"a": b"alpha"}, factors=factors, metadata={"seconds": 1.0})
+    sign_entry(built, k, tmp_path / "signer")
+    export_entry(built, k, tmp_path / "e.aotc")
+    here = Store(tmp_path / "here", create=True)
+    here.put(k, "e", {"a": b"alpha"}, factors=factors, metadata={"seconds": 2.0})  # same blobs, another record
+    import_bundle(here, tmp_path / "e.aotc", TrustPolicy(frozenset({public})))
+    held = here.get(k, record=False)
+    assert payload_state(Store.signing_payload(held), here.signatures(k),
+                         TrustPolicy(frozenset({public}))) == "unsigned"  # not "bad-signature"

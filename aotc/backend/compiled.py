@@ -113,8 +113,11 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  
             with self._lock:
                 if self.runner is None:  # an entry point: the loading process's own context
                     from aotc.context import Context
+                    from aotc.settings import is_remote_url
 
-                    self.runner = load_graph_program(self.key, Context.from_env(store=self.store))
+                    # a saved local store is kept; a saved remote URL is not (data never redirects pulls)
+                    store = None if is_remote_url(self.store) else self.store
+                    self.runner = load_graph_program(self.key, Context.from_env(store=store))
         return self.runner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

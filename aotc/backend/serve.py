@@ -77,10 +77,17 @@ class AotcBackend:
         ``AOTC_FALLBACK``: Inductor by default) with one warning line; a bad argument raises."""
         from aotc.backend.config import call_config
         from aotc.context import Context
+        from aotc.errors import AotcError
         from aotc.log import configure
+        from aotc.settings import Settings
 
         cfg = call_config(self.config, kwargs)
-        context = Context.from_env(store=cfg.store, remote=cfg.remote, trust=cfg.trust)  # this entry point's
+        try:  # this entry point's context: the environment, read once
+            context = Context.from_env(store=cfg.store, remote=cfg.remote, trust=cfg.trust)
+        except AotcError as e:  # a bad AOTC_* value (a trusted key, a number): one line, not a dead caller
+            if cfg.fallback == "error":
+                raise
+            return self._fall_back(gm, example_inputs, cfg, Settings(), cfg.fallback or "inductor", e, "")
         configure(context.settings.log)
         policy = cfg.fallback_for(context.settings)
         seen: dict[str, Any] = {}  # the local store once open, the graph's key once computed

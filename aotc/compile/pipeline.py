@@ -109,6 +109,9 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     process of a fleet compiles, the others wait and pull: :mod:`aotc.fleet.lease`) and is
     pushed there. With a signing key, it is read before any work and every entry stored is
     signed in the same transaction as its put."""
+    if context is not None and (store is not None or remote is not None):
+        raise AotcError("aotc.compile: give store=/remote= or context=, not both (a context "
+                        "carries its own)")
     context = context or Context.from_env(store=store, remote=remote)
     progress = progress or Progress(quiet=True)
     manifest = as_manifest(manifest)

@@ -104,9 +104,10 @@ def import_bundle(store: Store, path: str | os.PathLike[str],
             payload = store.signing_payload(entry)
             enforce_payload(payload, sigs, trusted, entry, crossing=where)  # before any blob
             sigs = valid_signatures(payload, sigs)  # a bad one is never stored
-            if same_content(store, entry):  # the same content: only add its signatures
-                for public, sig in sigs.items():
-                    store.add_signature(entry.key, public, sig)
+            if same_content(store, entry):  # the same content: only add signatures that cover it
+                if store.signing_payload(store.get(entry.key, record=False)) == payload:
+                    for public, sig in sigs.items():
+                        store.add_signature(entry.key, public, sig)
                 return BundleResult(entry.key, entry.name, where, len(sizes), 0, imported=False)
             need = sum(u for u, _s in sizes.values())
             free = shutil.disk_usage(store.tmp_dir).free

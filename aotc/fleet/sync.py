@@ -228,9 +228,10 @@ def pull_entry(remote: Remote, store: Store, key: str, trusted: TrustPolicy = NO
     enforce_payload(payload, sigs, trusted, entry, crossing=remote.url)  # before any blob
     sigs = valid_signatures(payload, sigs)  # an invalid one is never stored
     digests = {b.digest: b.size for b in entry.blobs.values()}
-    if same_content(store, entry):
-        for public, sig in sigs.items():
-            store.add_signature(key, public, sig)
+    if same_content(store, entry):  # its signatures only where they cover the record held here
+        if store.signing_payload(store.get(key, record=False)) == payload:
+            for public, sig in sigs.items():
+                store.add_signature(key, public, sig)
         return Transfer("pull", key, entry.name, remote.url, len(digests), 0, 0, False)
     need, free = sum(digests.values()), shutil.disk_usage(store.tmp_dir).free
     if need > free:

@@ -215,7 +215,14 @@ class TieredStore:
             entry = self.local.get(want.key) if self.local.has(want.key) else None
         else:
             entry = resolve(want.manifest, self.local, want.machine or {}, record=True).entry
-        return None if entry is None else self._checked(entry)
+        if entry is None:
+            return None
+        try:
+            return self._checked(entry)
+        except TrustError as e:  # refused here: the remote may hold a trusted copy, or build it
+            _LOG.warning("aotc: warning: %s: the local entry is refused (%s); looking further",
+                         want.what, e)
+            return None
 
     def _checked(self, entry: Entry) -> Entry:
         """``entry`` if the policy lets it load here: with trusted keys, every entry — local ones
@@ -254,7 +261,7 @@ class TieredStore:
             moved, key = found, found.key
         self.pulled_bytes += moved.bytes_moved
         self.pull_seconds += time.perf_counter() - t
-        return self.local.get(key)
+        return self._checked(self.local.get(key))  # as the local store holds it now
 
     def _pull_or_wait(self, want: Wanted) -> Entry | None:
         """:meth:`_pull`, else — when another process holds the compile lease — wait for it."""

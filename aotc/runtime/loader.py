@@ -164,6 +164,9 @@ def load(manifest: Manifest | str | Path | None = None, model: Any = None, store
     means that remote in front of the default local store. ``context``: an entry point's
     :class:`~aotc.context.Context` (default: the environment with these arguments). Raises
     ``CacheMiss`` naming the fix, ``TrustError`` for an entry the policy refuses."""
+    if context is not None and (store is not None or remote is not None or trust):
+        raise LoadError("aotc.load: give store=/remote=/trust= or context=, not both (a context "
+                        "carries its own)")
     context = context or Context.from_env(store=store, remote=remote, trust=trust)  # read once
     configure(context.settings.log)
     if key is not None and manifest is None:
