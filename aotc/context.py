@@ -16,7 +16,7 @@ endpoint …) are in ``settings``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -67,10 +67,6 @@ class Context:
                    signing_key=settings.signing_key, loader=settings.loader,
                    lease=LeaseSettings(settings.lease_ttl, settings.lease_wait),
                    fallback=settings.fallback)
-
-    def but(self, **changes: Any) -> Context:
-        """A copy with ``changes`` (e.g. ``lease=LeaseSettings(wait=0)``)."""
-        return replace(self, **changes)
 
     @cached_property
     def signer(self) -> Signer | None:

@@ -167,7 +167,7 @@ class AotcBackend:
         from aotc.backend.compiled import AotcCompiled, runner_of
 
         with dynamo.outside_trace():
-            runner = runner_of(entry, tiered, fast=tiered_loader_fast(settings))
+            runner = runner_of(entry, tiered, fast=settings.loader != "inductor")
         self._done(settings, {"key": entry.key, "hit": True, "pulled": pulled,
                               "pulled_bytes": pulled_bytes,
                               "seconds": round(time.perf_counter() - t0, 3),
@@ -204,7 +204,7 @@ class AotcBackend:
                                signer=signer)
         forget(store, key)
         with dynamo.outside_trace():
-            runner = runner_of(store.get(key), tiered, fast=tiered_loader_fast(settings))
+            runner = runner_of(store.get(key), tiered, fast=settings.loader != "inductor")
         return _Built(key, AotcCompiled(key, runner, cfg.store), meta)
 
     def _done(self, settings: Any, what: dict[str, Any]) -> None:
@@ -233,11 +233,6 @@ class _Built:
     key: str
     compiled: Any
     meta: dict[str, Any]
-
-
-def tiered_loader_fast(settings: Any) -> bool:
-    """Whether pieces load through the fast path (``AOTC_LOADER`` is not ``inductor``)."""
-    return bool(settings.loader != "inductor")
 
 
 def _on_cuda(example_inputs: Sequence[Any]) -> bool:

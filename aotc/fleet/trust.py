@@ -126,11 +126,10 @@ def _private_key(path: Path | str) -> Any:
 
 def sign_entry(store: Store, key: str, private_key_path: Path | str) -> str:
     """Sign entry ``key`` with the private key in ``private_key_path``; returns the public key."""
-    private = _private_key(private_key_path)
-    entry = store.get(key, record=False)
-    public = _public_hex(private)
-    store.add_signature(key, public, private.sign(store.signing_payload(entry)).hex())
-    return public
+    signer = load_signer(private_key_path)
+    if signer is None:
+        raise TrustError("signing needs a key file: `aotc keygen FILE` writes one")
+    return _add_signature(store, key, signer)
 
 
 def _parse_public(text: str) -> str:
@@ -177,8 +176,14 @@ def sign_with(store: Store, key: str, signer: Signer | None) -> str | None:
     if signer is None:
         return None
     if signer.public not in store.signatures(key):
-        entry = store.get(key, record=False)
-        store.add_signature(key, *signer.sign(store.signing_payload(entry)))
+        _add_signature(store, key, signer)
+    return signer.public
+
+
+def _add_signature(store: Store, key: str, signer: Signer) -> str:
+    """``signer``'s signature of entry ``key`` as held now; its public key."""
+    entry = store.get(key, record=False)
+    store.add_signature(key, *signer.sign(store.signing_payload(entry)))
     return signer.public
 
 
