@@ -1,6 +1,6 @@
 """Moving entries between the local store and a remote one (any :class:`aotc.fleet.remote_api.Remote`:
 S3, an OCI registry; typed against the protocol, never asking which): ``push_entry``,
-``pull_entry``, and the lookup a warm start makes on a local miss (``pull_for_manifest``).
+``pull_entry``, and the lookup a warm start makes on a local miss (``pull_for_probe``).
 
 Push: every local blob is re-hashed first (damaged bytes are never shipped); each blob is HEAD-ed
 and uploaded only when the remote lacks it (re-pushing uploads nothing); the record is written
@@ -9,7 +9,7 @@ then the probe marker and the signatures. Pull: the record is checked (its key i
 factors) and, under a trust policy, its signatures, before any blob is fetched; every blob is
 decompressed into staging and re-hashed, bounded by its recorded size; only then does one
 ``Store.put`` add the entry. A damaged remote blob is refused and nothing enters the local store.
-Needs no torch, except ``pull_for_manifest`` (the key factors of this machine).
+Needs no torch, except ``pull_for_probe`` (the source files it hashes).
 """
 
 from __future__ import annotations
@@ -323,19 +323,15 @@ def _safe_code_paths(code: Any) -> bool:
     return True
 
 
-def find_remote_entry(manifest: Any, remote: Remote, machine: dict[str, Any],
-                      trusted: TrustPolicy = NO_KEYS) -> Entry | None:
-    """The remote entry ``manifest`` compiles to on this machine (``machine``:
-    ``aotc.lookup.toolchain.machine_factors``): the newest behind the manifest's probe marker whose
-    recorded source files still hash the same here. None when there is none; the damage found
-    (``DamagedRemoteEntry``) when the only candidates are damaged. Under a trust policy a
-    candidate's signatures are checked before its source paths are looked at."""
+def find_remote_entry(want: Any, remote: Remote, trusted: TrustPolicy = NO_KEYS) -> Entry | None:
+    """The remote entry a lookup ``want`` (:class:`aotc.lookup.resolve.Probe`: what a manifest
+    compiles to, or a precompiled function, on this machine) finds: the newest behind its probe
+    marker whose recorded source files still hash the same here. None when there is none; the
+    damage found (``DamagedRemoteEntry``) when the only candidates are damaged. Under a trust
+    policy a candidate's signatures are checked before its source paths are looked at."""
     from aotc.fleet.trust import payload_state
-    from aotc.lookup.resolve import base_factors, sources_unchanged
-    from aotc.records.key import compute_key
 
-    base = base_factors(manifest, machine)
-    probe = compute_key(base)
+    probe = want.key
     markers = sorted(remote.list(f"probes/{probe}/"), key=lambda o: o.modified, reverse=True)
     damage: DamagedRemoteEntry | None = None
     untrusted = 0
@@ -350,20 +346,19 @@ def find_remote_entry(manifest: Any, remote: Remote, machine: dict[str, Any],
             continue
         if entry is None or entry.metadata.get("probe") != probe:
             continue
-        code = entry.factors.get("code", {})
-        if not _safe_code_paths(code):
+        if not _safe_code_paths(entry.factors.get("code", {})):
             continue
         if not trusted.allow_unsigned and payload_state(
                 Store.signing_payload(entry), remote_signatures(remote, key), trusted) != "trusted":
             untrusted += 1
             continue
-        if sources_unchanged(key, code, base, manifest):
+        if want.unchanged(key, entry.factors):
             return entry
     if untrusted:
         from aotc.fleet.trust import TRUST_ENV, UNSIGNED_ENV, TrustError
 
         raise TrustError(f"{remote.url}: {untrusted} entr{'y' if untrusted == 1 else 'ies'} of "
-                         f"{manifest.name} for this machine, none signed by a trusted key; refused "
+                         f"{want.name} for this machine, none signed by a trusted key; refused "
                          f"(sign where it is built: AOTC_SIGNING_KEY or `aotc sign`, then `aotc "
                          f"push`; trust that key with {TRUST_ENV}; or {UNSIGNED_ENV}=1 to accept "
                          "unsigned entries)")
@@ -372,12 +367,11 @@ def find_remote_entry(manifest: Any, remote: Remote, machine: dict[str, Any],
     return None
 
 
-def pull_for_manifest(manifest: Any, remote: Remote, store: Store, machine: dict[str, Any],
-                      trusted: TrustPolicy = NO_KEYS,
-                      progress: Progress | None = None) -> Transfer | None:
-    """Pull the remote entry ``manifest`` compiles to on this machine; None when the remote has
-    none (a miss there too)."""
-    entry = find_remote_entry(manifest, remote, machine, trusted)
+def pull_for_probe(want: Any, remote: Remote, store: Store, trusted: TrustPolicy = NO_KEYS,
+                   progress: Progress | None = None) -> Transfer | None:
+    """Pull the remote entry the lookup ``want`` finds (:func:`find_remote_entry`); None when
+    the remote has none (a miss there too)."""
+    entry = find_remote_entry(want, remote, trusted)
     if entry is None:
         return None
     return pull_entry(remote, store, entry.key, trusted, progress, entry=entry)

@@ -25,7 +25,7 @@ from aotc.errors import RemoteError, TrustError
 from aotc.fleet.remote_api import Remote
 from aotc.fleet.trust import Signer, TrustPolicy, enforce, sign_with
 from aotc.log import logger
-from aotc.lookup.resolve import Resolution, resolve
+from aotc.lookup.resolve import Probe, Resolution, manifest_probe, resolve_probe
 from aotc.progress import Progress
 
 __all__ = ["Served", "TieredStore", "Wanted", "open_tiered"]
@@ -42,14 +42,14 @@ T = TypeVar("T", bound=_Keyed)
 
 @dataclass(frozen=True)
 class Wanted:
-    """What a front door asks for: an entry by ``key`` (the backend, a saved record), or what a
-    ``manifest`` compiles to on ``machine`` (the key is known only after tracing; the lease is
-    the manifest's probe). ``what`` names it in messages."""
+    """What a front door asks for: an entry by ``key`` (the backend, a saved record), or the
+    current entry behind a ``probe`` (:class:`aotc.lookup.resolve.Probe`: what a manifest
+    compiles to on a machine, or a precompiled function — the key is known only after tracing;
+    the lease is the probe's key). ``what`` names it in messages."""
 
     what: str
     key: str | None = None
-    manifest: Any = None
-    machine: dict[str, Any] | None = None
+    probe: Probe | None = None
 
     @classmethod
     def by_key(cls, key: str, what: str = "") -> Wanted:
@@ -57,7 +57,11 @@ class Wanted:
 
     @classmethod
     def by_manifest(cls, manifest: Any, machine: dict[str, Any]) -> Wanted:
-        return cls(manifest.name, manifest=manifest, machine=machine)
+        return cls.by_probe(manifest_probe(manifest, machine))
+
+    @classmethod
+    def by_probe(cls, probe: Probe, what: str = "") -> Wanted:
+        return cls(what or probe.name, probe=probe)
 
 
 @dataclass(frozen=True)
@@ -132,10 +136,16 @@ class TieredStore:
             from aotc.lookup.toolchain import machine_factors
 
             machine = machine_factors(manifest.device, self.local.base / "toolchain")
-        found = resolve(manifest, self.local, machine, record=True)
-        if found.entry is None and found.corrupt is None and self.remote is not None \
-                and self._pull_or_wait(Wanted.by_manifest(manifest, machine)) is not None:
-            found = resolve(manifest, self.local, machine, record=True)
+        return self.find_probe(manifest_probe(manifest, machine))
+
+    def find_probe(self, probe: Probe, wait: bool = True) -> Resolution:
+        """The current entry behind ``probe``: resolved in the local tier, else pulled through
+        from the remote (waiting on a live compile lease when ``wait``) and resolved again."""
+        found = resolve_probe(probe, self.local, record=True)
+        if found.entry is None and found.corrupt is None and self.remote is not None:
+            want = Wanted.by_probe(probe)
+            if (self._pull_or_wait(want) if wait else self._pull(want)) is not None:
+                found = resolve_probe(probe, self.local, record=True)
         if found.entry is not None:
             self._checked(found.entry)
         return found
@@ -214,7 +224,7 @@ class TieredStore:
         if want.key is not None:
             entry = self.local.get(want.key) if self.local.has(want.key) else None
         else:
-            entry = resolve(want.manifest, self.local, want.machine or {}, record=True).entry
+            entry = resolve_probe(want.probe, self.local, record=True).entry  # type: ignore[arg-type]  # by_key or by_probe
         if entry is None:
             return None
         try:
@@ -233,10 +243,7 @@ class TieredStore:
     def _lease_id(self, want: Wanted) -> str:
         if want.key is not None:
             return want.key
-        from aotc.lookup.resolve import base_factors
-        from aotc.records.key import compute_key
-
-        return compute_key(base_factors(want.manifest, want.machine or {}))
+        return want.probe.key  # type: ignore[union-attr]  # by_key or by_probe
 
     def _pull(self, want: Wanted) -> Entry | None:
         """The remote's entry, pulled into the local tier; None when the remote has none."""
@@ -254,8 +261,7 @@ class TieredStore:
                 return None
             key = want.key
         else:
-            found = sync.pull_for_manifest(want.manifest, remote, self.local, want.machine or {},
-                                           self.policy, self.progress)
+            found = sync.pull_for_probe(want.probe, remote, self.local, self.policy, self.progress)
             if found is None:
                 return None
             moved, key = found, found.key

@@ -70,9 +70,10 @@ def full_factors(base: dict[str, Any], code: dict[str, str]) -> dict[str, Any]:
     return {**base, "code": dict(sorted(code.items()))}
 
 
-def locate_source(rel: str, manifest: Manifest) -> Path | None:
-    """Find the file a recorded relative source path names, on this machine (None if absent)."""
-    factory_file = manifest.model.factory_file
+def locate_source(rel: str, manifest: Manifest | None = None) -> Path | None:
+    """Find the file a recorded relative source path names, on this machine (None if absent):
+    beside the ``manifest``'s factory file, else on the import path."""
+    factory_file = None if manifest is None else manifest.model.factory_file
     if factory_file is not None:
         if rel == Path(factory_file).name:
             return Path(factory_file)
@@ -114,13 +115,47 @@ def _in_top_package(rel: str) -> Path | None:
     return None
 
 
-def hash_sources(recorded: dict[str, str], manifest: Manifest) -> dict[str, str]:
+def hash_sources(recorded: dict[str, str], manifest: Manifest | None = None) -> dict[str, str]:
     """Current sha256 of each recorded source file ("missing" when it cannot be found)."""
     out = {}
     for rel in recorded:
         path = locate_source(rel, manifest)
         out[rel] = "missing" if path is None else file_sha256(path)
     return out
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a lookup without tracing knows: ``base``, every key factor but ``code`` (its hash is
+    the probe key every such entry records in its metadata); ``name``, the entries' name (for the
+    closest miss); ``manifest``, where a recorded source path is looked for first (None: the
+    import path only). An entry is current when its key, recomputed with ``base`` and its recorded
+    files hashed as they are here, is its stored key: factors beyond ``base`` and ``code`` (a
+    precompiled function's example inputs) are the entry's own, recorded, not re-derived."""
+
+    name: str
+    base: dict[str, Any]
+    manifest: Manifest | None = None
+
+    @property
+    def key(self) -> str:
+        """The probe key (the hash of ``base``)."""
+        return compute_key(self.base)
+
+    def current_factors(self, recorded: dict[str, Any]) -> dict[str, Any]:
+        """The factors an entry that recorded ``recorded`` would have if built now."""
+        code = recorded.get("code", {})
+        return {**recorded, **self.base, "code": dict(sorted(hash_sources(dict(code), self.manifest).items()))}
+
+    def unchanged(self, key: str, recorded: dict[str, Any]) -> bool:
+        """Whether the entry ``key`` with factors ``recorded`` is what this probe builds now
+        (the one test a local and a remote lookup share)."""
+        return compute_key(self.current_factors(recorded)) == key
+
+
+def manifest_probe(manifest: Manifest, machine: dict[str, Any]) -> Probe:
+    """The probe of what ``manifest`` compiles to on ``machine``."""
+    return Probe(manifest.name, base_factors(manifest, machine), manifest)
 
 
 @dataclass(frozen=True)
@@ -138,24 +173,16 @@ class Resolution:
         return self.entry is not None
 
 
-def current_factors(code: dict[str, str], base: dict[str, Any], manifest: Manifest) -> dict[str, Any]:
-    """The factors an entry recorded with ``code`` (its traced files' hashes) would have if
-    compiled from this manifest now: ``base`` plus those files hashed as they are here."""
-    return full_factors(base, hash_sources(dict(code), manifest))
-
-
 def sources_unchanged(key: str, code: dict[str, str], base: dict[str, Any], manifest: Manifest) -> bool:
-    """Whether the entry ``key``, recorded with ``code``, is what this manifest compiles to now:
-    its key recomputed from the current hashes of its recorded files is ``key`` (the one test a
-    local and a remote lookup share)."""
-    return compute_key(current_factors(code, base, manifest)) == key
+    """Whether the entry ``key``, recorded with ``code``, is what this manifest compiles to now."""
+    return Probe(manifest.name, base, manifest).unchanged(key, full_factors(base, code))
 
 
-def _is_current(row: dict[str, Any], base: dict[str, Any], manifest: Manifest) -> bool:
-    """:func:`sources_unchanged` for a (damaged) entry row. Unreadable factors: assume so (report
+def _is_current(row: dict[str, Any], probe: Probe) -> bool:
+    """:meth:`Probe.unchanged` for a (damaged) entry row. Unreadable factors: assume so (report
     the damage)."""
     try:
-        return sources_unchanged(row["key"], json.loads(row["factors"]).get("code", {}), base, manifest)
+        return probe.unchanged(row["key"], json.loads(row["factors"]))
     except (TypeError, ValueError, AttributeError):
         return True
 
@@ -163,8 +190,13 @@ def _is_current(row: dict[str, Any], base: dict[str, Any], manifest: Manifest) -
 def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: bool = True) -> Resolution:
     """Find the stored entry this manifest would compile to on this machine, without tracing.
     ``machine`` is ``aotc.lookup.toolchain.machine_factors(...)``."""
-    base = base_factors(manifest, machine)
-    probe = compute_key(base)
+    return resolve_probe(manifest_probe(manifest, machine), store, record)
+
+
+def resolve_probe(want: Probe, store: Store, record: bool = True) -> Resolution:
+    """The newest stored entry behind ``want``'s probe that is current (:class:`Probe`); else
+    the closest entry and how it differs."""
+    probe = want.key
     rows = store.entry_rows(probe)  # bad entries too: get() raises for them, so a lookup says why
     candidates = []
     corrupt: CorruptedCacheError | None = None
@@ -180,12 +212,12 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
         except CacheMiss:  # evicted meanwhile
             continue
         except CorruptedCacheError as exc:  # damaged (now marked bad): not a hit; kept to report
-            if _is_current(row, base, manifest):  # not if it was built from older sources
+            if _is_current(row, want):  # not if it was built from older sources
                 corrupt = corrupt or exc
             continue
     newest_miss: tuple[Entry, tuple[FactorDiff, ...]] | None = None
     for cand in candidates:  # every candidate: servers on older code may share a store
-        current = current_factors(cand.factors.get("code", {}), base, manifest)
+        current = want.current_factors(cand.factors)
         if compute_key(current) == cand.key:
             entry = store.get(cand.key, record=record)
             COUNTERS.cache_hits += 1
@@ -198,16 +230,15 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
             store.record_miss(cand.key, "; ".join(d.describe() for d in cand_diffs)[:500])
         return Resolution(probe, None, cand, cand_diffs, corrupt)
     # No entry with the same probe: diff against the newest entry of the same name, if any.
-    same_name = store.newest_key_named(manifest.name)
+    same_name = store.newest_key_named(want.name)
     closest = None
     diffs: tuple[FactorDiff, ...] = ()
     if same_name:
         try:
             closest = store.get(same_name, record=False)
-            diffs = tuple(explain(closest.factors,
-                                  current_factors(closest.factors.get("code", {}), base, manifest)))
+            diffs = tuple(explain(closest.factors, want.current_factors(closest.factors)))
         except (CacheMiss, CorruptedCacheError):
             closest = None
     if record:
-        store.record_miss(probe, manifest.name)
+        store.record_miss(probe, want.name)
     return Resolution(probe, None, closest, diffs, corrupt)
