@@ -19,7 +19,7 @@ importlib.import_module("aotc.compile")
 importlib.import_module("aotc.backend")
 
 __version__ = "0.1.0"
-__all__ = ["backend", "compile", "load", "__version__"]
+__all__ = ["backend", "compile", "load", "precompile", "precompiled", "__version__"]
 
 
 def compile(manifest: Any, store: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - public API name
@@ -43,3 +43,19 @@ def load(manifest: Any = None, model: Any = None, store: Any = None, **kwargs: A
     from aotc.runtime.loader import load as _load
 
     return _load(manifest, model=model, store=store, **kwargs)
+
+
+def precompile(target: Any, example_inputs: Any, **kwargs: Any) -> Any:
+    """Trace ``target`` once per example input and store Dynamo's output, so a warm start does
+    not trace; see :func:`aotc.warmstart.build.precompile`."""
+    from aotc.warmstart.build import precompile as _precompile
+
+    return _precompile(target, example_inputs, **kwargs)
+
+
+def precompiled(target: Any, **kwargs: Any) -> Any:
+    """``target`` as stored by :func:`precompile`, loaded with no trace (guards checked at every
+    call; a miss is traced); see :func:`aotc.warmstart.load.precompiled`."""
+    from aotc.warmstart.load import precompiled as _precompiled
+
+    return _precompiled(target, **kwargs)

@@ -21,6 +21,7 @@ __all__ = [
     "SettingsError", "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
     "NumericMismatchError", "LoadError", "InputError", "RunError", "BackendError", "VllmError",
     "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "BundleError",
+    "PrecompileError",
 ]
 
 
@@ -86,6 +87,11 @@ class RunError(AotcError, RuntimeError):
 class BackendError(AotcError):
     """The ``torch.compile`` backend cannot key, compile or load the graph Dynamo handed it (a
     constant with no stable spelling, a bad ``aotc.backend(...)`` argument)."""
+
+
+class PrecompileError(AotcError):
+    """A function could not be precompiled (a graph break, a graph aotc cannot serve, Dynamo's
+    output not savable) or its stored precompiled form cannot be used here."""
 
 
 class VllmError(AotcError):

@@ -104,6 +104,14 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  
             raise LoadError(f"saved aotc compiled function is unreadable ({e}); delete the "
                             "framework's compile cache and start again") from e
 
+    def load_with(self, context: Any) -> GraphRunner:
+        """Fetch and rehydrate the program now through ``context`` (the caller's entry point:
+        a precompiled function being loaded), unless already loaded."""
+        with self._lock:
+            if self.runner is None:
+                self.runner = load_graph_program(self.key, context)
+        return self.runner
+
     def finalize_loading(self, *_config: Any) -> None:
         """Fetch and rehydrate the program now (vLLM calls this after loading its AOT file)."""
         self._ensure()

@@ -40,6 +40,7 @@ import torch.fx
 from aotc._torch import dynamo
 from aotc.counters import COUNTERS
 from aotc.errors import CaptureError
+from aotc.lookup.filehash import is_toolchain_file
 from aotc.model.state import named_tensors
 
 __all__ = ["ArgSlot", "Captured", "capture", "graph_args"]
@@ -128,15 +129,6 @@ def _rel_source_path(path: str, modules: dict[str, str]) -> str:
     return rel.replace(os.sep, "/")
 
 
-def _is_toolchain_file(path: str) -> bool:
-    """Files covered by the toolchain factors (torch itself, the stdlib) rather than ``code``."""
-    real = os.path.realpath(path)
-    torch_root = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
-    stdlib = os.path.realpath(os.path.dirname(os.__file__)) + os.sep
-    in_site = "site-packages" in real or "dist-packages" in real
-    return real.startswith(torch_root) or (real.startswith(stdlib) and not in_site)
-
-
 def _source_files(codes: Sequence[Any]) -> tuple[tuple[str, str], ...]:
     seen: dict[str, str] = {}
     modules = _module_files()
@@ -144,7 +136,7 @@ def _source_files(codes: Sequence[Any]) -> tuple[tuple[str, str], ...]:
         fname = getattr(code, "co_filename", None)
         if not fname or fname.startswith("<") or not os.path.isfile(fname):
             continue
-        if _is_toolchain_file(fname):
+        if is_toolchain_file(fname):
             continue
         rel = _rel_source_path(fname, modules)
         if rel not in seen:
@@ -320,7 +312,7 @@ def _describe_model_error(e: BaseException) -> str:
     """The user frame where the model's forward raised, in one line."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _is_toolchain_file(f.filename)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not is_toolchain_file(f.filename)
               and "/aotc/" not in f.filename.replace(os.sep, "/")]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
     text = " ".join(str(e).split())[:300]

@@ -30,3 +30,15 @@ def file_sha256(path: Path) -> str:
     if _identity(os.stat(real)) == ident:  # not written while we read it
         _memo[real] = (ident, digest)
     return digest
+
+
+def is_toolchain_file(path: str) -> bool:
+    """Whether a traced source file is covered by the toolchain factors (torch itself, the
+    stdlib) rather than by an entry's ``code`` factor."""
+    import torch
+
+    real = os.path.realpath(path)
+    torch_root = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+    stdlib = os.path.realpath(os.path.dirname(os.__file__)) + os.sep
+    in_site = "site-packages" in real or "dist-packages" in real
+    return real.startswith(torch_root) or (real.startswith(stdlib) and not in_site)

@@ -1,0 +1,189 @@
+"""Dynamo's own AOT compile (``torch._dynamo.aot_compile``): one fullgraph trace of a function
+whose output — the bytecode Dynamo wrote, its guards and the backend's ``SerializableCallable`` —
+is saved as bytes and loaded in another process with no trace. Tested on torch 2.13 (the module
+exists from 2.10; :func:`supported` feature-checks it).
+
+What aotc adds to torch's own ``aot_compile_fullgraph``:
+
+* **Guards kept.** torch's default filter drops every guard on a global; here a global's value
+  guards (a constant, a type, a tensor's metadata, a length, a dict's keys) are kept, so a changed
+  module constant fails the guard instead of running stale bytecode. Guards that cannot be saved
+  (object identities: ``ID_MATCH``, ``CLASS_MATCH``, ``FUNCTION_MATCH``, …) and identity checks
+  between globals are left out: they name objects of the tracing process, and what they protect
+  (the code) is in aotc's key as the traced source files' hashes.
+* **Globals Dynamo installed.** The bytecode may load a module through a global Dynamo added to
+  the traced function's module (``___module_collections_…``); it is recorded as an import so a
+  fresh process finds it.
+* **Loading** passes the traced function's module globals (a guard on ``G['torch']`` reads them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["capture", "call", "compiled_backend", "dynamo_config_values", "from_bytes", "global_state",
+           "guard_failure", "guards_pass", "source_modules", "supported", "to_bytes", "traced_function"]
+
+# guard types on a global kept: they compare values, which a fresh process can check again
+_VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "TENSOR_MATCH", "SEQUENCE_LENGTH",
+                           "DICT_KEYS_MATCH", "LENGTH_CHECK", "TUPLE_ITERATOR_LEN", "BOOL_MATCH", "NONE_MATCH",
+                           "DICT_NOT_CONTAINS", "NOT_PRESENT_IN_GENERIC_DICT", "DICT_CONTAINS"})
+# Dynamo settings that change no trace: locations, logging, limits that only stop recompiles
+_CONFIG_DENY = frozenset({"base_dir", "debug_dir_root", "cprofile", "verbose", "recompile_limit",
+                          "accumulated_recompile_limit", "cache_size_limit", "accumulated_cache_size_limit"})
+
+
+def supported() -> bool:
+    """Whether this torch has Dynamo's AOT compile (``torch._dynamo.aot_compile``)."""
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def traced_function(target: Callable[..., Any]) -> tuple[types.FunctionType, Any]:
+    """The plain function Dynamo traces for ``target`` and the object bound to it (None for a
+    plain function): a module is traced through its ``__call__`` (its hooks and its decorated
+    ``forward`` inlined; the saved code has no closure to pickle)."""
+    if isinstance(target, torch.nn.Module):
+        target = target.__call__
+    if isinstance(target, types.MethodType):
+        return target.__func__, target.__self__  # type: ignore[return-value]  # a method of Python code
+    if isinstance(target, types.FunctionType):
+        return target, None
+    raise TypeError(f"cannot precompile {target!r}: give a function, a bound method or an nn.Module")
+
+
+def _guard_filter(entries: list[Any]) -> list[bool]:
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaveable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    keep = []
+    for g in entries:
+        if g.guard_type in unsaveable or unsaveable & set(g.derived_guard_types):
+            keep.append(False)
+        else:
+            keep.append(not g.is_global or g.guard_type in _VALUE_GUARDS)
+    return keep
+
+
+def capture(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+            backend: Callable[..., Any], dynamic: bool | None) -> Any:
+    """One fullgraph trace of ``target`` on ``(args, kwargs)`` handing the graph to
+    ``backend`` (which must return a ``SerializableCallable``): torch's ``AOTCompiledFunction``,
+    ready to call and to :func:`to_bytes`. A graph break raises Dynamo's error."""
+    from torch._dynamo.aot_compile import aot_compile_fullgraph
+    from torch._dynamo.hooks import Hooks
+
+    fn, bound = traced_function(target)
+    method = types.MethodType(fn, bound) if bound is not None else fn
+    compiled = aot_compile_fullgraph(method, (tuple(args), dict(kwargs)), hooks=Hooks(guard_filter_fn=_guard_filter),
+                                     backend=backend, dynamic=dynamic)
+    _record_installed_modules(compiled)
+    compiled.disable_guard_check()  # checked once per call by guards_pass
+    return compiled
+
+
+def _record_installed_modules(compiled: Any) -> None:
+    """Globals Dynamo installed in the traced module that the bytecode loads: a module becomes
+    an import of the saved code; anything else cannot be saved (raises ``TypeError``)."""
+    import builtins
+
+    env = compiled._artifacts.runtime_env
+    scope = compiled._extra_globals or {}
+    for ref in sorted(env.external_refs):
+        if ref in env.import_sources or ref in env.used_globals or hasattr(builtins, ref) \
+                or ref == compiled._artifacts.backend_id or not ref.startswith("___"):
+            continue
+        value = scope.get(ref)
+        if isinstance(value, types.ModuleType):
+            env.import_sources[ref] = value.__name__
+        elif value is not None:
+            raise TypeError(f"Dynamo's code loads {ref} ({type(value).__name__}), a global it installed "
+                            "while tracing that cannot be saved")
+
+
+def to_bytes(compiled: Any) -> bytes:
+    """The saved form of a :func:`capture` result (a pickle: load only trusted bytes)."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    return AOTCompiledFunction.serialize(compiled).serialized_data
+
+
+def from_bytes(data: bytes, module: str) -> Any:
+    """A saved function back, with no trace: its guards and code rebuilt against the globals of
+    ``module`` (the traced function's), the backend's callable deserialized (not yet loaded)."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    scope = importlib.import_module(module).__dict__
+    compiled = AOTCompiledFunction.deserialize(data, f_globals=scope)
+    compiled.disable_guard_check()
+    return compiled
+
+
+def compiled_backend(compiled: Any) -> Any:
+    """The backend's callable inside (aotc's ``AotcCompiled``)."""
+    return compiled._artifacts.compiled_fn
+
+
+def source_modules(compiled: Any) -> list[str]:
+    """The modules whose code Dynamo inlined (their source is what the bytecode depends on)."""
+    return sorted({s.module for s in compiled._artifacts.source_info.inlined_sources})
+
+
+def guards_pass(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether Dynamo's guards hold for this call (``args`` with the bound object first)."""
+    return bool(compiled.guard_check(*args, **kwargs))
+
+
+def guard_failure(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The first failing guard of this call, in one line."""
+    try:
+        info = compiled._artifacts.guard_manager.check_verbose(compiled.prepare_f_locals(*args, **kwargs))
+        parts = list(getattr(info, "verbose_code_parts", []) or [])
+        return " ".join(str(parts[0]).split())[:200] if parts else "a guard failed"
+    except TypeError as e:  # the arguments do not bind to the traced signature
+        return str(e)
+
+
+def call(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the saved code (guards already checked)."""
+    return compiled.fn(*args, **kwargs)
+
+
+def global_state() -> dict[str, Any]:
+    """The global torch state a trace records (Dynamo guards it at every call)."""
+    state: dict[str, Any] = {"grad": torch.is_grad_enabled(), "inference_mode": torch.is_inference_mode_enabled(),
+                             "default_dtype": str(torch.get_default_dtype()),
+                             "deterministic": torch.are_deterministic_algorithms_enabled()}
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            state[f"autocast_{device}"] = str(torch.get_autocast_dtype(device))
+    return state
+
+
+def _canonical(value: Any, name: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, name) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(str(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): _canonical(v, name) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    raise TypeError(f"Dynamo setting {name} = {value!r} has no stable spelling for aotc's key")
+
+
+def dynamo_config_values() -> dict[str, Any]:
+    """Dynamo's settings as this process traces with them (its portable config minus locations
+    and limits), canonical and JSON-able; ``TypeError`` on a value with no stable spelling."""
+    import torch._dynamo.config as config
+
+    return {k: _canonical(v, k) for k, v in sorted(config.save_config_portable().items())
+            if k not in _CONFIG_DENY and k != "TYPE_CHECKING"}

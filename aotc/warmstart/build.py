@@ -1,0 +1,122 @@
+"""``aotc.precompile``: Dynamo's output stored as an entry, so a warm start does not trace.
+
+For each example input, one fullgraph Dynamo trace of the target with aotc as the backend
+(:mod:`aotc._torch.precompile`): the graph is compiled (or found) and stored as any backend graph
+is, and Dynamo's bytecode and guards come back as bytes. The bytes of every example input go into
+one entry (blob roles ``dynamo.0``, ``dynamo.1``, …) keyed by :mod:`aotc.warmstart.key`, signed
+when a signing key is set and pushed when a remote is — the graph entries it calls went the same
+way. :func:`aotc.precompiled` loads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from aotc._torch import precompile as dyn
+from aotc.errors import AotcError, PrecompileError
+from aotc.log import logger
+
+__all__ = ["example_input", "precompile"]
+
+_log = logger("warmstart")
+
+
+def example_input(value: Any, where: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """One example input as ``(args, kwargs)``: a tuple of positional arguments, a dict of
+    keyword arguments, a pair ``(tuple, dict)``, or one tensor."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return (value,), {}
+    if isinstance(value, dict):
+        return (), dict(value)
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (tuple, list)) \
+            and isinstance(value[1], dict):
+        return tuple(value[0]), dict(value[1])
+    if isinstance(value, (tuple, list)):
+        return tuple(value), {}
+    raise PrecompileError(f"{where}: expected a tuple of arguments, a dict of keyword arguments, "
+                          f"(args, kwargs) or a tensor, got {type(value).__name__}")
+
+
+def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, name: str | None = None,
+               store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
+               device: str | None = None, dynamic: bool | None = None, **backend_options: Any) -> Any:
+    """Trace ``target`` (a module, bound method or function) once per example input with aotc as
+    the backend and store Dynamo's output (module doc); returns the
+    :class:`~aotc.warmstart.load.Precompiled` callable, ready. ``dynamic``: as ``torch.compile``'s
+    (None: static shapes, each example input its own shape class); ``name``, ``store``,
+    ``remote``, ``trust``, ``device``: as :func:`aotc.precompiled`; ``backend_options``: more
+    :func:`aotc.backend` arguments (``compile_sizes``, ``inductor``, …). Raises
+    ``PrecompileError`` for a graph break or a graph aotc cannot serve — it never falls back:
+    what it stores must be aotc's."""
+    from aotc.backend.serve import backend
+    from aotc.context import Context
+    from aotc.log import configure
+    from aotc.lookup.toolchain import machine_factors
+    from aotc.records.key import compute_key
+    from aotc.warmstart.key import (
+        KIND,
+        ROLE_PREFIX,
+        device_of,
+        full_factors,
+        input_specs,
+        module_sources,
+        probe_for,
+        target_id,
+    )
+    from aotc.warmstart.load import Precompiled, traced_path
+
+    if not dyn.supported():
+        import torch
+
+        raise PrecompileError(f"torch {torch.__version__} has no Dynamo AOT compile "
+                              "(torch._dynamo.aot_compile, torch >= 2.10): precompile needs it")
+    if not example_inputs:
+        raise PrecompileError("aotc.precompile(…, example_inputs=[…]): give at least one example input")
+    context = Context.from_env(store=store, remote=remote, trust=trust)  # an entry point
+    configure(context.settings.log)
+    try:
+        identity, module = target_id(target)
+    except TypeError as e:
+        raise PrecompileError(str(e)) from e
+    name = name or identity
+    inputs = [example_input(v, f"example_inputs[{i}]") for i, v in enumerate(example_inputs)]
+    tiered = context.open_tiered(create=True)
+    probe = probe_for(identity, name, machine_factors(device or device_of(target), tiered.local.base / "toolchain"))
+    backend_kwargs = {"store": store, "remote": remote, "trust": trust, "name": name, **backend_options}
+    be = backend(**{**backend_kwargs, "fallback": "error"})
+    t0 = time.perf_counter()
+    functions = [_capture(target, identity, i, args, kwargs, be, dynamic) for i, (args, kwargs) in enumerate(inputs)]
+    graphs = [dyn.compiled_backend(fn).key for fn in functions]
+    modules = {module}.union(*(dyn.source_modules(fn) for fn in functions))
+    factors = full_factors(probe.base, module_sources(modules), input_specs(inputs), dyn.global_state(), graphs)
+    key = compute_key(factors)
+    try:
+        blobs = {f"{ROLE_PREFIX}{i}": dyn.to_bytes(fn) for i, fn in enumerate(functions)}
+    except (RuntimeError, TypeError, AttributeError) as e:  # pickling Dynamo's output
+        raise PrecompileError(f"{identity}: Dynamo's output cannot be saved ({e})") from e
+    tiered.publish(key, name, blobs, factors, metadata={
+        "probe": probe.key, "kind": KIND, "target": identity, "module": module, "graph_keys": graphs,
+        "functions": len(functions), "bytes": sum(len(b) for b in blobs.values())})
+    _log.info(f"aotc: precompiled {identity}: {len(functions)} function(s) traced and stored as "
+              f"{key[:16]}… in {time.perf_counter() - t0:.2f}s")
+    return Precompiled(target, identity, functions, key, traced_path(target, backend_kwargs, dynamic))
+
+
+def _capture(target: Callable[..., Any], identity: str, i: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+             be: Any, dynamic: bool | None) -> Any:
+    from aotc._torch.dynamo import dynamo_error, is_restart
+
+    try:
+        return dyn.capture(target, args, kwargs, be, dynamic)
+    except AotcError as e:
+        raise PrecompileError(f"{identity}: example_inputs[{i}]: {e}") from e
+    except Exception as e:  # noqa: BLE001 - Dynamo's and the backend's errors, named in one line
+        if is_restart(e):
+            raise
+        what = "Dynamo cannot trace it whole" if isinstance(e, dynamo_error()) else type(e).__name__
+        raise PrecompileError(f"{identity}: example_inputs[{i}]: {what}: "
+                              f"{' '.join(str(e).split())[:400]}") from e

@@ -1,0 +1,133 @@
+"""The key of a precompiled function (Dynamo's output stored as an entry).
+
+What Dynamo's bytecode and guards depend on, in two parts, as a manifest's key is:
+
+* the **probe** (:class:`aotc.lookup.resolve.Probe`), known before any trace — what is traced
+  (the function, and the class of the object it is bound to), the entry's name, this machine's
+  toolchain (torch, Python, compiler, device), Dynamo's settings, aotc's format and compile code;
+* what only the trace knows, recorded in the entry — ``code``: the sha256 of every source file
+  Dynamo inlined (torch and the stdlib are in the toolchain); ``inputs``: the example inputs'
+  specs; ``global_state``: grad mode, default dtype, autocast …; ``graphs``: the graph entries
+  the saved code calls.
+
+A load finds the newest entry behind the probe whose recorded files still hash the same here
+(a changed file is a miss, ``aotc explain`` says which); the recorded inputs and global state
+are checked again at every call by Dynamo's own guards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from aotc.lookup.compile_logic import compile_logic_hash
+from aotc.lookup.filehash import file_sha256, is_toolchain_file
+from aotc.lookup.resolve import Probe
+from aotc.records.key import FORMAT_VERSION
+
+__all__ = ["KIND", "ROLE_PREFIX", "base_factors", "device_of", "full_factors", "input_specs", "module_sources",
+           "probe_for", "target_id"]
+
+KIND = "precompiled"
+ROLE_PREFIX = "dynamo."  # blob roles: dynamo.0, dynamo.1, … (one per example input)
+
+
+def target_id(target: Callable[..., Any]) -> tuple[str, str]:
+    """``(identity, module)`` of what is traced: ``pkg.Class`` for a module (called whole),
+    ``pkg.Class:pkg.mod.func`` for another bound method (its class, then the function),
+    ``pkg.mod.func`` for a function; ``module``: where the traced function lives (its globals
+    rebuild the saved code)."""
+    import torch
+
+    from aotc._torch.precompile import traced_function
+
+    fn, bound = traced_function(target)
+    owner = "" if bound is None else f"{type(bound).__module__}.{type(bound).__qualname__}"
+    if isinstance(bound, torch.nn.Module) and fn is type(bound).__call__:
+        return owner, fn.__module__
+    func = f"{fn.__module__}.{fn.__qualname__}"
+    return (f"{owner}:{func}" if owner else func), fn.__module__
+
+
+def device_of(target: Callable[..., Any]) -> str:
+    """The device type a target computes on: its module's first parameter's, else ``cpu``."""
+    from aotc._torch.precompile import traced_function
+
+    _, bound = traced_function(target)
+    for p in getattr(bound, "parameters", lambda: iter(()))():
+        return str(p.device.type)
+    return "cpu"
+
+
+def base_factors(identity: str, name: str, machine: dict[str, Any]) -> dict[str, Any]:
+    """Every factor known before a trace (module doc); ``machine``:
+    :func:`aotc.lookup.toolchain.machine_factors`."""
+    from aotc._torch.precompile import dynamo_config_values
+
+    return {"precompiled": {"target": identity, "name": name}, "toolchain": machine["toolchain"],
+            "dynamo": dynamo_config_values(),
+            "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash(), "kind": KIND}}
+
+
+def probe_for(identity: str, name: str, machine: dict[str, Any]) -> Probe:
+    """The lookup of a precompiled ``identity`` named ``name`` on ``machine``."""
+    return Probe(name, base_factors(identity, name, machine))
+
+
+def _module_file(module: str) -> str | None:
+    mod = sys.modules.get(module)
+    path = getattr(mod, "__file__", None)
+    if path is None:
+        spec = importlib.util.find_spec(module)
+        path = None if spec is None else spec.origin
+    return path if path and path.endswith(".py") and os.path.isfile(path) else None
+
+
+def module_sources(modules: Iterable[str]) -> dict[str, str]:
+    """``{relative path: sha256}`` of each module's file (``pkg/sub/mod.py``, found again on
+    any machine by :func:`aotc.lookup.resolve.locate_source`), torch and the stdlib left out.
+    A module with no source file on disk (``__main__`` of ``python -c``) is left out too."""
+    out: dict[str, str] = {}
+    for module in sorted(set(modules)):
+        if module == "__main__":
+            path = getattr(sys.modules.get("__main__"), "__file__", None)
+            if path and os.path.isfile(path):
+                out[os.path.basename(path)] = file_sha256(path)  # type: ignore[arg-type]  # a str path
+            continue
+        path = _module_file(module)
+        if path is None or is_toolchain_file(path):
+            continue
+        tail = "/__init__.py" if os.path.basename(path) == "__init__.py" else ".py"
+        out[module.replace(".", "/") + tail] = file_sha256(path)  # type: ignore[arg-type]  # a str path
+    return out
+
+
+def _spec(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"tensor": list(value.shape), "dtype": str(value.dtype), "device": value.device.type,
+                "grad": bool(value.requires_grad)}
+    if isinstance(value, (list, tuple)):
+        return [_spec(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _spec(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return {"object": f"{type(value).__module__}.{type(value).__qualname__}"}
+
+
+def input_specs(example_inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+    """What each example input is (tensors by shape, dtype and device; plain values as they are;
+    other objects by type), JSON-able."""
+    return [{"args": _spec(list(args)), "kwargs": _spec(dict(kwargs))} for args, kwargs in example_inputs]
+
+
+def full_factors(base: dict[str, Any], code: dict[str, str], inputs: list[Any], state: dict[str, Any],
+                 graphs: list[str]) -> dict[str, Any]:
+    """``base`` and what the trace recorded (module doc)."""
+    return {**base, "code": dict(sorted(code.items())), "inputs": inputs, "global_state": state,
+            "graphs": list(graphs)}
