@@ -319,6 +319,8 @@ ENTRY_POINTS = {
     ("aotc.backend.compiled", "AotcCompiled._ensure"),  # a saved backend record, loaded
     ("aotc.vllm.plugin", "_install"),  # vLLM's plugin hook (register)
     ("aotc.vllm.plugin", "_context"),
+    ("aotc.warmstart.build", "precompile"),  # aotc.precompile
+    ("aotc.warmstart.load", "precompiled"),  # aotc.precompiled
     ("aotc.context", "Context.from_env"),  # the reading itself
 }
 

@@ -33,6 +33,7 @@ __all__ = ["capture", "call", "compiled_backend", "dynamo_config_values", "from_
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "TENSOR_MATCH", "SEQUENCE_LENGTH",
                            "DICT_KEYS_MATCH", "LENGTH_CHECK", "TUPLE_ITERATOR_LEN", "BOOL_MATCH", "NONE_MATCH",
                            "DICT_NOT_CONTAINS", "NOT_PRESENT_IN_GENERIC_DICT", "DICT_CONTAINS"})
+_RESTARTS = 3  # traces again Dynamo may ask for (each restart records what it must do otherwise)
 # Dynamo settings that change no trace: locations, logging, limits that only stop recompiles
 _CONFIG_DENY = frozenset({"base_dir", "debug_dir_root", "cprofile", "verbose", "recompile_limit",
                           "accumulated_recompile_limit", "cache_size_limit", "accumulated_cache_size_limit"})
@@ -77,14 +78,24 @@ def capture(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
             backend: Callable[..., Any], dynamic: bool | None) -> Any:
     """One fullgraph trace of ``target`` on ``(args, kwargs)`` handing the graph to
     ``backend`` (which must return a ``SerializableCallable``): torch's ``AOTCompiledFunction``,
-    ready to call and to :func:`to_bytes`. A graph break raises Dynamo's error."""
+    ready to call and to :func:`to_bytes`. A graph break raises Dynamo's error. Dynamo's request
+    to trace again (``RestartAnalysis``: a float it must specialize, say) is honoured as
+    ``torch.compile`` does, up to :data:`_RESTARTS` times."""
     from torch._dynamo.aot_compile import aot_compile_fullgraph
+    from torch._dynamo.exc import RestartAnalysis
     from torch._dynamo.hooks import Hooks
 
     fn, bound = traced_function(target)
     method = types.MethodType(fn, bound) if bound is not None else fn
-    compiled = aot_compile_fullgraph(method, (tuple(args), dict(kwargs)), hooks=Hooks(guard_filter_fn=_guard_filter),
-                                     backend=backend, dynamic=dynamic)
+    for attempt in range(_RESTARTS + 1):
+        try:
+            compiled = aot_compile_fullgraph(method, (tuple(args), dict(kwargs)),
+                                             hooks=Hooks(guard_filter_fn=_guard_filter), backend=backend,
+                                             dynamic=dynamic)
+            break
+        except RestartAnalysis:
+            if attempt == _RESTARTS:
+                raise
     _record_installed_modules(compiled)
     compiled.disable_guard_check()  # checked once per call by guards_pass
     return compiled

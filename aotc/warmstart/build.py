@@ -57,6 +57,7 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     from aotc.log import configure
     from aotc.lookup.toolchain import machine_factors
     from aotc.records.key import compute_key
+    from aotc.warmstart.callable import Precompiled, traced_path
     from aotc.warmstart.key import (
         KIND,
         ROLE_PREFIX,
@@ -67,7 +68,6 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         probe_for,
         target_id,
     )
-    from aotc.warmstart.load import Precompiled, traced_path
 
     if not dyn.supported():
         import torch

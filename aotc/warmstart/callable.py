@@ -1,0 +1,92 @@
+"""The callable a precompiled target becomes: Dynamo's stored functions, each call checked against
+their guards and run by the stored code; a call none covers runs through
+``torch.compile(target, backend=aotc)`` (the traced path, one INFO line); with nothing stored,
+the first call precompiles with its own arguments (:mod:`aotc.warmstart.build`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aotc._torch import precompile as dyn
+from aotc.log import logger
+
+__all__ = ["Precompiled", "traced_path"]
+
+_log = logger("warmstart")
+
+
+class Precompiled:
+    """Dynamo's stored functions for one target, called like the target (module doc).
+    ``key``: the entry they came from (None until one is stored); ``served`` / ``traced``:
+    calls run by stored code / by the traced path."""
+
+    def __init__(self, target: Callable[..., Any], identity: str, functions: list[Any], key: str | None,
+                 traced: Callable[[], Callable[..., Any]],
+                 build: Callable[[tuple[Any, ...], dict[str, Any]], Precompiled] | None = None) -> None:
+        self.target, self.identity, self.functions, self.key = target, identity, list(functions), key
+        _, self._bound = dyn.traced_function(target)
+        self._make_traced, self._traced = traced, None
+        self._build = build  # nothing stored: precompile at the first call
+        self._lock = threading.Lock()
+        self.served = self.traced = 0
+        self.last_miss = ""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        full = args if self._bound is None else (self._bound, *args)
+        for fn in self.functions:
+            if dyn.guards_pass(fn, full, kwargs):
+                self.served += 1
+                return dyn.call(fn, full, kwargs)
+        if not self.functions and self._build is not None:
+            with self._lock:
+                if not self.functions and self._build is not None:
+                    self._build_now(args, kwargs)
+            if self.functions:
+                return self(*args, **kwargs)
+        return self._trace(full, args, kwargs)
+
+    def _build_now(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Precompile with this call's arguments (nothing was stored); a failure is one warning
+        and the traced path."""
+        from aotc.errors import AotcError
+
+        build, self._build = self._build, None
+        try:
+            built = build(args, kwargs)  # type: ignore[misc]  # checked by the caller
+        except AotcError as e:
+            _log.warning(f"aotc: warning: precompiled {self.identity}: not precompiled ({e}); "
+                         "calls are traced")
+            return
+        self.functions, self.key = built.functions, built.key
+
+    def _trace(self, full: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._traced is None:
+            with self._lock:
+                if self._traced is None:
+                    why = dyn.guard_failure(self.functions[0], full, kwargs) if self.functions \
+                        else "nothing stored"
+                    self.last_miss = why
+                    _log.info(f"aotc: precompiled {self.identity}: not this call ({why}); it runs "
+                              "through torch.compile(backend=aotc) (Dynamo traces it)")
+                    self._traced = self._make_traced()
+        self.traced += 1
+        return self._traced(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        key = "none stored" if self.key is None else f"key={self.key[:16]}…"
+        return f"Precompiled({self.identity}, {len(self.functions)} functions, {key})"
+
+
+def traced_path(target: Callable[..., Any], backend_kwargs: dict[str, Any], dynamic: bool | None) -> Callable[[], Any]:
+    """How a call the stored code does not cover runs: ``torch.compile(target, backend=aotc)``."""
+
+    def make() -> Any:
+        import torch
+
+        from aotc.backend.serve import backend
+
+        return torch.compile(target, backend=backend(**backend_kwargs), dynamic=dynamic)
+
+    return make
