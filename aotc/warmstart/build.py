@@ -103,7 +103,8 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         "functions": len(functions), "bytes": sum(len(b) for b in blobs.values())})
     _log.info(f"aotc: precompiled {identity}: {len(functions)} function(s) traced and stored as "
               f"{key[:16]}… in {time.perf_counter() - t0:.2f}s")
-    return Precompiled(target, identity, functions, key, traced_path(target, backend_kwargs, dynamic))
+    return Precompiled(target, identity, functions, key, traced_path(target, backend_kwargs, dynamic),
+                       store=str(tiered.local.root))
 
 
 def _capture(target: Callable[..., Any], identity: str, i: int, args: tuple[Any, ...], kwargs: dict[str, Any],

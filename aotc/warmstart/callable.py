@@ -24,8 +24,10 @@ class Precompiled:
 
     def __init__(self, target: Callable[..., Any], identity: str, functions: list[Any], key: str | None,
                  traced: Callable[[], Callable[..., Any]],
-                 build: Callable[[tuple[Any, ...], dict[str, Any]], Precompiled] | None = None) -> None:
+                 build: Callable[[tuple[Any, ...], dict[str, Any]], Precompiled] | None = None,
+                 store: str = "") -> None:
         self.target, self.identity, self.functions, self.key = target, identity, list(functions), key
+        self.store = store  # the local store it came from (or went to)
         _, self._bound = dyn.traced_function(target)
         self._make_traced, self._traced = traced, None
         self._build = build  # nothing stored: precompile at the first call
@@ -46,6 +48,11 @@ class Precompiled:
             if self.functions:
                 return self(*args, **kwargs)
         return self._trace(full, args, kwargs)
+
+    @property
+    def graph_keys(self) -> list[str]:
+        """The graph entries the stored functions call."""
+        return [dyn.compiled_backend(fn).key for fn in self.functions]
 
     def _build_now(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Precompile with this call's arguments (nothing was stored); a failure is one warning

@@ -79,7 +79,7 @@ def precompiled(target: Callable[..., Any], *, name: str | None = None, store: A
             why = "; ".join(d.describe() for d in found.diffs)[:300] or "none stored"
             _log.info(f"aotc: precompiled {identity}: no stored entry for this machine and these "
                       f"sources ({why})")
-            return Precompiled(target, identity, [], None, traced, build)
+            return Precompiled(target, identity, [], None, traced, build, str(tiered.local.root))
         functions = load_functions(found.entry, tiered, context, module)
     except (AotcError, RuntimeError, ImportError, TypeError, ValueError, EOFError) as e:
         # refused, damaged, or Dynamo's pickle no longer matches this process: the traced path
@@ -88,4 +88,4 @@ def precompiled(target: Callable[..., Any], *, name: str | None = None, store: A
         return Precompiled(target, identity, [], None, traced)
     _log.info(f"aotc: precompiled {identity}: loaded {len(functions)} function(s) from "
               f"{found.entry.key[:16]}… (no trace)")
-    return Precompiled(target, identity, functions, found.entry.key, traced)
+    return Precompiled(target, identity, functions, found.entry.key, traced, store=str(tiered.local.root))
