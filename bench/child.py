@@ -25,11 +25,12 @@ import sys  # noqa: E402
 
 
 def _counters() -> dict[str, int]:
-    out = {"dynamo_frames": 0, "inductor_compiles": 0}
+    out = {"dynamo_frames": 0, "dynamo_graphs": 0, "inductor_compiles": 0}
     if "torch._dynamo.utils" in sys.modules:
         from torch._dynamo.utils import counters
 
         out["dynamo_frames"] = int(counters["frames"].get("total", 0))
+        out["dynamo_graphs"] = int(counters["stats"].get("unique_graphs", 0))  # a precompile trace too
         ind = counters["inductor"]
         out["inductor_compiles"] = int(ind.get("fxgraph_cache_miss", 0) + ind.get("fxgraph_cache_bypass", 0))
     if "aotc.counters" in sys.modules:

