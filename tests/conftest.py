@@ -24,9 +24,24 @@ def store(tmp_path: Path):
     s.close()
 
 
+# The environment as the session found it. Importing vLLM (or building its engine config) sets
+# variables in this process — TORCHINDUCTOR_CPP_DYNAMIC_THREADS, LD_PRELOAD, KMP_* — that change
+# what Inductor compiles in a child which inherits them (cpp.dynamic_threads is read at import), so
+# a child's key would differ from this process's: children get these as the session began.
+_SESSION_ENV = dict(os.environ)
+import torch._inductor.config  # noqa: E402,F401 - this process reads Inductor's variables now, before vLLM sets any
+_LEAKED_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "KMP_", "LD_PRELOAD", "OMP_")
+
+
 def python_env() -> dict[str, str]:
-    """Environment for subprocesses: this interpreter's packages, no inherited AOTC_STORE."""
+    """Environment for subprocesses: this interpreter's packages, no inherited AOTC_STORE, and
+    no variable an imported library (vLLM) set under Inductor's, OpenMP's or the loader's names."""
     env = dict(os.environ)
+    for name in [n for n in env if n.startswith(_LEAKED_PREFIXES) and env[n] != _SESSION_ENV.get(n)]:
+        if name in _SESSION_ENV:
+            env[name] = _SESSION_ENV[name]
+        else:
+            del env[name]
     env.pop("AOTC_STORE", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     return env
