@@ -192,20 +192,14 @@ def register(group: click.Group) -> None:
 def precompile_command(ctx: click.Context, manifest: str, sizes: tuple[int, ...], as_json: bool) -> None:
     """Trace MANIFEST's model with Dynamo once per size, aotc as the backend, and store Dynamo's
     output so a server's ``aotc.precompiled(model, name=NAME)`` starts without tracing."""
-    from aotc.manifest import load_manifest
-    from aotc.vllm.manifest import is_vllm_manifest
-    from aotc.warmstart.manifest import precompile_manifest
+    from aotc.warmstart.manifest import precompile_file
 
-    if is_vllm_manifest(manifest):
-        raise click.UsageError(f"{manifest}: a vLLM manifest: vLLM saves Dynamo's output itself "
-                               "(its AOT compile); `aotc compile` it")
     app: AppContext = ctx.obj
-    m = load_manifest(manifest)
-    result = precompile_manifest(m, sizes, store=_store_for(ctx, m, create=True), remote=app.remote())
+    result = precompile_file(manifest, sizes, store=lambda m: _store_for(ctx, m, create=True), remote=app.remote())
     if as_json:
         print_json(result.to_json())
         return
     click.echo(f"{result.name}: precompiled {result.target} at {', '.join(map(str, result.sizes))} "
                f"tokens in {result.seconds:.1f}s, key {result.key[:16]}…\n"
                f"  calls {len(result.graphs)} graph entr{'y' if len(result.graphs) == 1 else 'ies'}; "
-               f"load it with aotc.precompiled(model, name={result.name!r})\n  store {result.store}")
+               f"load it with {result.load}\n  store {result.store}")

@@ -120,14 +120,15 @@ def test_an_edited_source_file_is_a_miss_never_stale_code(tmp_path: Path) -> Non
     assert after["err"] < 1e-5
 
 
-_SERVER = '''import json, sys, torch, aotc
+_SERVER = '''import json, sys, torch
 from aotc.manifest import load_manifest
 from aotc.model.build import build_model, make_named_inputs
+from aotc.warmstart.manifest import precompiled_for
 from aotc._torch.inductor_facts import counters_snapshot
 m = load_manifest(sys.argv[1])
 model = build_model(m)
 with torch.no_grad():
-    p = aotc.precompiled(model, name=m.name, store=sys.argv[2], precompile_missing=False)
+    p = precompiled_for(m, model, store=sys.argv[2], precompile_missing=False)
     errs = [float((p(**make_named_inputs(m, n)).logits - model(**make_named_inputs(m, n)).logits).abs().max())
             for n in (4, 16)]
 c = counters_snapshot()
@@ -144,6 +145,7 @@ def test_the_manifest_form_feeds_a_server_with_no_trace(tmp_path: Path) -> None:
                   check=True, timeout=600)
     done = json.loads(res.stdout)
     assert done["name"] == "tiny-hf-llama" and done["sizes"] == [4, 16] and len(done["graphs"]) == 2
+    assert done["load"].startswith("aotc.precompiled(model, name='tiny-hf-llama', splitting_ops=")
     (tmp_path / "server.py").write_text(_SERVER)
     out = subprocess.run([PYTHON, str(tmp_path / "server.py"), str(manifest), str(store)],
                          capture_output=True, text=True, env=python_env(), timeout=600)
@@ -160,4 +162,122 @@ def test_the_cli_refuses_bad_input(tmp_path: Path) -> None:
     vllm = tmp_path / "v.yaml"
     vllm.write_text("name: v\nvllm:\n  model: facebook/opt-125m\n")
     res = run_cli("--store", str(tmp_path / "s"), "precompile", str(vllm))
-    assert res.returncode == 2 and "vLLM saves Dynamo's output itself" in res.stderr, res.stderr
+    assert res.returncode == 1 and "vLLM saves Dynamo's output itself" in res.stderr, res.stderr
+
+
+class _Act(torch.nn.Module):
+    """A function held as instance state: Dynamo guards its identity (a guard it cannot save)."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.act = torch.nn.Linear(8, 8), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(x))
+
+
+@pytest.mark.slow
+def test_a_function_held_by_the_model_is_checked_by_name(tmp_path: Path) -> None:
+    """Stored with ``act=torch.relu``; loaded for a model holding ``torch.sigmoid``: the identity
+    check fails, the call is traced, the answer is sigmoid's — never relu's stored code."""
+    import aotc
+
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        built = aotc.precompile(_Act(torch.relu), [(x,)], store=tmp_path / "s")
+        checks = {src: name for src, name in built.functions[0]._aotc_identities}
+        assert checks.get("L['self'].act", "").endswith(".relu"), checks
+        same = aotc.precompiled(_Act(torch.relu), store=tmp_path / "s", precompile_missing=False)
+        torch.testing.assert_close(same(x), torch.relu(_Act(torch.relu).lin(x)))
+        assert same.served == 1 and same.traced == 0
+        other = _Act(torch.sigmoid)
+        loaded = aotc.precompiled(other, store=tmp_path / "s", precompile_missing=False)
+        assert loaded.key == built.key  # found: the class and code are the same
+        torch.testing.assert_close(loaded(x), other(x))
+        assert loaded.served == 0 and loaded.traced == 1, (loaded.served, loaded.traced)
+        assert "L['self'].act is torch._VariableFunctionsClass.sigmoid, not" in loaded.last_miss, loaded.last_miss
+
+
+def test_code_with_no_source_file_is_refused(tmp_path: Path) -> None:
+    """A module shipped as .pyc only: its code cannot be keyed by a source hash, so it is not
+    stored (it could change under the same key). Dynamo itself cannot record its source (torch
+    2.13); aotc's own check stands behind it."""
+    import compileall
+    import sys
+
+    import aotc
+    from aotc.errors import PrecompileError
+
+    pkg = tmp_path / "lib"
+    pkg.mkdir()
+    (pkg / "nosource_mod.py").write_text("import torch\n\ndef double(x):\n    return torch.sin(x) * 2\n")
+    compileall.compile_dir(str(pkg), legacy=True, quiet=1)
+    (pkg / "nosource_mod.py").unlink()
+    sys.path.insert(0, str(pkg))
+    try:
+        import nosource_mod
+
+        with pytest.raises(PrecompileError, match="could not get source code|nosource_mod has no source file"):
+            aotc.precompile(nosource_mod.double, [(torch.randn(4),)], store=tmp_path / "s")
+        from aotc.cache import Store
+
+        assert [r for r in Store(tmp_path / "s").entry_rows() if '"precompiled"' in r["metadata"]] == []
+    finally:
+        sys.path.remove(str(pkg))
+        sys.modules.pop("nosource_mod", None)
+
+
+@pytest.mark.slow
+def test_threads_share_one_first_call_build(tmp_path: Path) -> None:
+    """Four threads call a precompiled target with nothing stored: one builds, the others wait
+    and run the stored code; every answer right, nothing traced twice."""
+    import threading
+
+    import aotc
+
+    model, x = _Mlp(), torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+        p = aotc.precompiled(model, store=tmp_path / "s")
+        got: list[torch.Tensor] = []
+
+        def call() -> None:
+            with torch.no_grad():
+                for _ in range(5):
+                    got.append(p(x))
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(got) == 20 and all(torch.allclose(g, want, atol=1e-5) for g in got)
+    assert p.served == 20 and p.traced == 0 and p.key is not None
+
+
+def test_a_trust_policy_without_a_trusted_signer_stores_nothing(tmp_path: Path, monkeypatch) -> None:
+    import aotc
+    from aotc.errors import PrecompileError
+    from aotc.fleet.trust import generate_key
+
+    monkeypatch.setenv("AOTC_TRUST_KEYS", generate_key(tmp_path / "ci.key"))
+    monkeypatch.delenv("AOTC_SIGNING_KEY", raising=False)
+    with pytest.raises(PrecompileError, match="AOTC_SIGNING_KEY"):
+        aotc.precompile(_Mlp(), [(torch.randn(2, 8),)], store=tmp_path / "s")
+
+
+def test_an_unusable_store_is_one_warning_and_the_traced_path(tmp_path: Path, caplog) -> None:
+    """The store cannot even be opened (its path under a regular file): no exception reaches the
+    server; the call runs traced, right."""
+    import aotc
+    from tests.conftest import aotc_warnings
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    model, x = _Mlp(), torch.randn(2, 8)
+    with torch.no_grad():
+        p = aotc.precompiled(model, store=blocker / "store", fallback="eager")
+        torch.testing.assert_close(p(x), model(x))
+    assert p.key is None and p.traced == 1
+    assert any("the stored entry is not used" in w for w in aotc_warnings(caplog))

@@ -1,7 +1,8 @@
 """A precompiled function across machines (a real S3-compatible server, fresh processes): built and
 signed on one, pushed; another machine with an empty store pulls it through and serves with no
-trace under a policy trusting the builder's key; a machine trusting another key refuses it before
-unpickling a byte and traces instead (still the right answer)."""
+trace under a policy trusting the builder's key; a machine trusting another key refuses it at the
+lookup — nothing of it is pulled, so nothing is unpickled — and traces instead (still the right
+answer)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,7 @@ def test_pulled_through_and_served_with_no_trace_only_under_a_trusting_policy(s3
                                         "AOTC_SIGNING_KEY": str(tmp_path / "other.key")})
     assert refused["key"] is None and refused["served"] == 0 and refused["traced"] == 1, refused
     assert refused["err"] < 1e-5 and "TrustError" in refused["stderr"], refused["stderr"][-2000:]
+    from aotc.cache import Store
+
+    pulled = [r for r in Store(tmp_path / "wary").entry_rows() if '"precompiled"' in r["metadata"]]
+    assert pulled == []

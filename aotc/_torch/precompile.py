@@ -8,9 +8,11 @@ What aotc adds to torch's own ``aot_compile_fullgraph``:
 * **Guards kept.** torch's default filter drops every guard on a global; here a global's value
   guards (a constant, a type, a tensor's metadata, a length, a dict's keys) are kept, so a changed
   module constant fails the guard instead of running stale bytecode. Guards that cannot be saved
-  (object identities: ``ID_MATCH``, ``CLASS_MATCH``, ``FUNCTION_MATCH``, …) and identity checks
-  between globals are left out: they name objects of the tracing process, and what they protect
-  (the code) is in aotc's key as the traced source files' hashes.
+  (object identities: ``ID_MATCH``, ``CLASS_MATCH``, ``FUNCTION_MATCH``, …) name objects of the
+  tracing process: those reached through a class, a closure or code are left out (that code is
+  in aotc's key as the traced source files' hashes); those on the called objects' own state (an
+  attribute holding a function, an enum, a module) become identity checks by stable name,
+  evaluated at every call (:func:`guards_pass`); one with no stable name refuses the capture.
 * **Globals Dynamo installed.** The bytecode may load a module through a global Dynamo added to
   the traced function's module (``___module_collections_…``); it is recorded as an import so a
   fresh process finds it.
@@ -21,13 +23,14 @@ from __future__ import annotations
 
 import importlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["capture", "call", "compiled_backend", "dynamo_config_values", "from_bytes", "global_state",
-           "guard_failure", "guards_pass", "source_modules", "supported", "to_bytes", "traced_function"]
+           "guard_failure", "guards_pass", "identities", "set_identities", "source_modules", "stable_name",
+           "supported", "to_bytes", "traced_function"]
 
 # guard types on a global kept: they compare values, which a fresh process can check again
 _VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TYPE_MATCH", "TENSOR_MATCH", "SEQUENCE_LENGTH",
@@ -61,17 +64,87 @@ def traced_function(target: Callable[..., Any]) -> tuple[types.FunctionType, Any
     raise TypeError(f"cannot precompile {target!r}: give a function, a bound method or an nn.Module")
 
 
-def _guard_filter(entries: list[Any]) -> list[bool]:
+# a dropped identity guard whose source goes through a class, a closure or code: the code is in
+# aotc's key (the traced files' hashes); any other (an instance attribute holding a function, an
+# enum, a module) is state of the objects called, checked again by name at every call
+_CODE_LEVEL = ("type(", "__class__", "__closure__", "__code__", "__mro__", "__defaults__", "__kwdefaults__",
+               "__func__", "__globals__", "__dict__)")
+
+
+def stable_name(value: Any) -> str | None:
+    """A name for ``value`` that is the same in another process (a module, a function or class
+    by module and qualified name, an enum member, a plain constant); ``"nn.Module"`` for a module
+    instance (its own guards cover it); None when it has none."""
+    import enum
+
+    if isinstance(value, types.ModuleType):
+        return f"module:{value.__name__}"
+    if isinstance(value, torch.nn.Module):
+        return "nn.Module"
+    if isinstance(value, enum.Enum):
+        return f"enum:{type(value).__module__}.{type(value).__qualname__}.{value.name}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    mod, qual = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if isinstance(mod, str) and isinstance(qual, str) and "<locals>" not in qual:
+        return f"{mod}.{qual}"
+    return None
+
+
+def _guard_filter(identities: list[tuple[str, str]]) -> Callable[[Sequence[Any]], Sequence[bool]]:
+    """Dynamo's guard filter (module doc); identity guards on the called objects' state that it
+    drops are appended to ``identities`` as ``(source, stable name)``; one whose value has no
+    stable name raises ``TypeError`` (it cannot be checked in another process)."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaveable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
-    keep = []
-    for g in entries:
-        if g.guard_type in unsaveable or unsaveable & set(g.derived_guard_types):
-            keep.append(False)
-        else:
-            keep.append(not g.is_global or g.guard_type in _VALUE_GUARDS)
+
+    def keep(entries: Sequence[Any]) -> Sequence[bool]:
+        out = []
+        for g in entries:
+            if not (g.guard_type in unsaveable or unsaveable & set(g.derived_guard_types)):
+                out.append(not g.is_global or g.guard_type in _VALUE_GUARDS)
+                continue
+            out.append(False)
+            source = str(getattr(g.orig_guard, "name", "") or "")
+            if g.is_global or not source or any(p in source for p in _CODE_LEVEL):
+                continue
+            name = stable_name(g.value) if g.has_value else None
+            if name is None:
+                raise TypeError(f"Dynamo guards the identity of {source} ({type(g.value).__name__}), which "
+                                "cannot be checked in another process")
+            if name != "nn.Module" and (source, name) not in identities:
+                identities.append((source, name))
+        return out
+
     return keep
+
+
+def identities(compiled: Any) -> list[list[str]]:
+    """The identity checks a captured (or loaded) function carries, as ``[source, name]`` pairs."""
+    return [list(x) for x in getattr(compiled, "_aotc_identities", ())]
+
+
+def set_identities(compiled: Any, pairs: Any) -> None:
+    """Attach the identity checks recorded with a stored function (``[source, name]`` pairs)."""
+    checks = [(str(src), str(name)) for src, name in (pairs or [])]
+    compiled._aotc_identities = checks
+    compiled._aotc_checks = [(compile(src, "<aotc identity guard>", "eval"), name) for src, name in checks]
+
+
+def _identities_hold(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    checks = getattr(compiled, "_aotc_checks", ())
+    if not checks:
+        return True
+    scope = {"L": compiled.prepare_f_locals(*args, **kwargs)}
+    for code, name in checks:
+        try:
+            value = eval(code, {"__builtins__": {}}, scope)  # noqa: S307 - a guard source Dynamo wrote
+        except Exception:  # noqa: BLE001 - the attribute is gone: the guard fails
+            return False
+        if stable_name(value) != name:
+            return False
+    return True
 
 
 def capture(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -87,18 +160,31 @@ def capture(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 
     fn, bound = traced_function(target)
     method = types.MethodType(fn, bound) if bound is not None else fn
-    for attempt in range(_RESTARTS + 1):
-        try:
-            compiled = aot_compile_fullgraph(method, (tuple(args), dict(kwargs)),
-                                             hooks=Hooks(guard_filter_fn=_guard_filter), backend=backend,
-                                             dynamic=dynamic)
-            break
-        except RestartAnalysis:
-            if attempt == _RESTARTS:
-                raise
+    with _compile_lock():  # Dynamo's own: a torch.compile trace in another thread waits
+        for attempt in range(_RESTARTS + 1):
+            found: list[tuple[str, str]] = []
+            try:
+                compiled = aot_compile_fullgraph(method, (tuple(args), dict(kwargs)),
+                                                 hooks=Hooks(guard_filter_fn=_guard_filter(found)),
+                                                 backend=backend, dynamic=dynamic)
+                break
+            except RestartAnalysis:
+                if attempt == _RESTARTS:
+                    raise
     _record_installed_modules(compiled)
+    set_identities(compiled, found)
     compiled.disable_guard_check()  # checked once per call by guards_pass
     return compiled
+
+
+def _compile_lock() -> Any:
+    """Dynamo's compile lock (``torch._dynamo.convert_frame.compile_lock``), or a no-op."""
+    import contextlib
+
+    from torch._dynamo import convert_frame
+
+    lock = getattr(convert_frame, "compile_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
 
 
 def _record_installed_modules(compiled: Any) -> None:
@@ -150,18 +236,35 @@ def source_modules(compiled: Any) -> list[str]:
 
 
 def guards_pass(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether Dynamo's guards hold for this call (``args`` with the bound object first)."""
-    return bool(compiled.guard_check(*args, **kwargs))
+    """Whether Dynamo's guards and the identity checks hold for this call (``args`` with the
+    bound object first)."""
+    return bool(compiled.guard_check(*args, **kwargs)) and _identities_hold(compiled, args, kwargs)
 
 
 def guard_failure(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     """The first failing guard of this call, in one line."""
     try:
+        if compiled.guard_check(*args, **kwargs):  # Dynamo's hold: an identity check failed
+            scope = {"L": compiled.prepare_f_locals(*args, **kwargs)}
+            for code, name in getattr(compiled, "_aotc_checks", ()):
+                try:
+                    now = stable_name(eval(code, {"__builtins__": {}}, scope))  # noqa: S307 - Dynamo's source
+                except Exception:  # noqa: BLE001 - gone
+                    now = "missing"
+                if now != name:
+                    return f"{_source_of(compiled, code)} is {now}, not {name}"
         info = compiled._artifacts.guard_manager.check_verbose(compiled.prepare_f_locals(*args, **kwargs))
         parts = list(getattr(info, "verbose_code_parts", []) or [])
         return " ".join(str(parts[0]).split())[:200] if parts else "a guard failed"
     except TypeError as e:  # the arguments do not bind to the traced signature
         return str(e)
+
+
+def _source_of(compiled: Any, code: Any) -> str:
+    for (src, _), (c, _) in zip(getattr(compiled, "_aotc_identities", ()), getattr(compiled, "_aotc_checks", ())):
+        if c is code:
+            return src
+    return "an identity"
 
 
 def call(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -130,12 +130,14 @@ class Probe:
     the probe key every such entry records in its metadata); ``name``, the entries' name (for the
     closest miss); ``manifest``, where a recorded source path is looked for first (None: the
     import path only). An entry is current when its key, recomputed with ``base`` and its recorded
-    files hashed as they are here, is its stored key: factors beyond ``base`` and ``code`` (a
-    precompiled function's example inputs) are the entry's own, recorded, not re-derived."""
+    files hashed as they are here, is its stored key. ``recorded``: the factor groups beyond
+    ``base`` and ``code`` an entry of this kind records and a lookup takes as recorded (a
+    precompiled function's example inputs); any other group in an entry makes it not current."""
 
     name: str
     base: dict[str, Any]
     manifest: Manifest | None = None
+    recorded: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -145,7 +147,8 @@ class Probe:
     def current_factors(self, recorded: dict[str, Any]) -> dict[str, Any]:
         """The factors an entry that recorded ``recorded`` would have if built now."""
         code = recorded.get("code", {})
-        return {**recorded, **self.base, "code": dict(sorted(hash_sources(dict(code), self.manifest).items()))}
+        kept = {k: recorded[k] for k in self.recorded if k in recorded}
+        return {**kept, **self.base, "code": dict(sorted(hash_sources(dict(code), self.manifest).items()))}
 
     def unchanged(self, key: str, recorded: dict[str, Any]) -> bool:
         """Whether the entry ``key`` with factors ``recorded`` is what this probe builds now

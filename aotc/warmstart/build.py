@@ -85,19 +85,27 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     name = name or identity
     inputs = [example_input(v, f"example_inputs[{i}]") for i, v in enumerate(example_inputs)]
     tiered = context.open_tiered(create=True)
-    probe = probe_for(identity, name, machine_factors(device or device_of(target), tiered.local.base / "toolchain"))
+    _check_signable(tiered, context, identity)
+    try:
+        probe = probe_for(identity, name, machine_factors(device or device_of(target), tiered.local.base / "toolchain"),
+                          dynamic, backend_options)
+    except TypeError as e:
+        raise PrecompileError(f"{identity}: {e}") from e
     backend_kwargs = {"store": store, "remote": remote, "trust": trust, "name": name, **backend_options}
     be = backend(**{**backend_kwargs, "fallback": "error"})
     t0 = time.perf_counter()
     functions = [_capture(target, identity, i, args, kwargs, be, dynamic) for i, (args, kwargs) in enumerate(inputs)]
     graphs = [dyn.compiled_backend(fn).key for fn in functions]
     modules = {module}.union(*(dyn.source_modules(fn) for fn in functions))
-    factors = full_factors(probe.base, module_sources(modules), input_specs(inputs), dyn.global_state(), graphs)
-    key = compute_key(factors)
     try:
+        code = module_sources(modules)
         blobs = {f"{ROLE_PREFIX}{i}": dyn.to_bytes(fn) for i, fn in enumerate(functions)}
-    except (RuntimeError, TypeError, AttributeError) as e:  # pickling Dynamo's output
-        raise PrecompileError(f"{identity}: Dynamo's output cannot be saved ({e})") from e
+    except Exception as e:  # noqa: BLE001 - pickling Dynamo's output fails in many ways; one error of ours
+        raise PrecompileError(f"{identity}: Dynamo's output cannot be saved ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]})") from e
+    factors = full_factors(probe.base, code, input_specs(inputs), dyn.global_state(), graphs,
+                           [dyn.identities(fn) for fn in functions])
+    key = compute_key(factors)
     tiered.publish(key, name, blobs, factors, metadata={
         "probe": probe.key, "kind": KIND, "target": identity, "module": module, "graph_keys": graphs,
         "functions": len(functions), "bytes": sum(len(b) for b in blobs.values())})
@@ -105,6 +113,16 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
               f"{key[:16]}… in {time.perf_counter() - t0:.2f}s")
     return Precompiled(target, identity, functions, key, traced_path(target, backend_kwargs, dynamic),
                        store=str(tiered.local.root))
+
+
+def _check_signable(tiered: Any, context: Any, identity: str) -> None:
+    """Under a trust policy, what this process stores must be signed by a trusted key — else every
+    later process would refuse it (and trace forever): refused before any work."""
+    signer = context.signer  # a bad AOTC_SIGNING_KEY fails here
+    if tiered.policy.keys and (signer is None or signer.public not in tiered.policy.keys):
+        raise PrecompileError(f"{identity}: a trust policy is set (AOTC_TRUST_KEYS / trust=) and this process "
+                              "has no trusted signing key: what it stored would be refused; set "
+                              "AOTC_SIGNING_KEY to a trusted key, or precompile where it is signed and push it")
 
 
 def _capture(target: Callable[..., Any], identity: str, i: int, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -116,8 +134,9 @@ def _capture(target: Callable[..., Any], identity: str, i: int, args: tuple[Any,
     except AotcError as e:
         raise PrecompileError(f"{identity}: example_inputs[{i}]: {e}") from e
     except Exception as e:  # noqa: BLE001 - Dynamo's and the backend's errors, named in one line
-        if is_restart(e):
-            raise
-        what = "Dynamo cannot trace it whole" if isinstance(e, dynamo_error()) else type(e).__name__
+        # a restart Dynamo still asked for after capture's retries: no trace is in progress here
+        # to honour it, so it is a failure of this precompile like any other
+        what = ("Dynamo asked to trace again too often" if is_restart(e) else
+                "Dynamo cannot trace it whole" if isinstance(e, dynamo_error()) else type(e).__name__)
         raise PrecompileError(f"{identity}: example_inputs[{i}]: {what}: "
                               f"{' '.join(str(e).split())[:400]}") from e

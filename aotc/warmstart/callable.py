@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from aotc._torch import precompile as dyn
 from aotc.log import logger
@@ -29,25 +29,38 @@ class Precompiled:
         self.target, self.identity, self.functions, self.key = target, identity, list(functions), key
         self.store = store  # the local store it came from (or went to)
         _, self._bound = dyn.traced_function(target)
-        self._make_traced, self._traced = traced, None
+        self._make_traced = traced
+        self._traced: Callable[..., Any] | None = None
         self._build = build  # nothing stored: precompile at the first call
-        self._lock = threading.Lock()
+        self._lock, self._count_lock = threading.Lock(), threading.Lock()
         self.served = self.traced = 0
         self.last_miss = ""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         full = args if self._bound is None else (self._bound, *args)
+        fn = self._covering(full, kwargs)
+        if fn is None:
+            with self._lock:  # one first-call build; the traced path made once
+                if self._build is not None and not self.functions:
+                    self._build_now(args, kwargs)
+                fn = self._covering(full, kwargs)  # what this thread, or another, just stored
+                if fn is None and self._traced is None:
+                    self._make_traced_path(full, kwargs)
+        with self._count_lock:
+            if fn is not None:
+                self.served += 1
+            else:
+                self.traced += 1
+        if fn is not None:
+            return dyn.call(fn, full, kwargs)
+        return cast(Callable[..., Any], self._traced)(*args, **kwargs)  # made under the lock above
+
+    def _covering(self, full: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The stored function whose guards hold for this call, or None."""
         for fn in self.functions:
             if dyn.guards_pass(fn, full, kwargs):
-                self.served += 1
-                return dyn.call(fn, full, kwargs)
-        if not self.functions and self._build is not None:
-            with self._lock:
-                if not self.functions and self._build is not None:
-                    self._build_now(args, kwargs)
-            if self.functions:
-                return self(*args, **kwargs)
-        return self._trace(full, args, kwargs)
+                return fn
+        return None
 
     @property
     def graph_keys(self) -> list[str]:
@@ -55,31 +68,23 @@ class Precompiled:
         return [dyn.compiled_backend(fn).key for fn in self.functions]
 
     def _build_now(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Precompile with this call's arguments (nothing was stored); a failure is one warning
-        and the traced path."""
-        from aotc.errors import AotcError
-
+        """Precompile with this call's arguments (nothing was stored); any failure is one
+        warning and the traced path (the caller's process lives on)."""
         build, self._build = self._build, None
         try:
             built = build(args, kwargs)  # type: ignore[misc]  # checked by the caller
-        except AotcError as e:
-            _log.warning(f"aotc: warning: precompiled {self.identity}: not precompiled ({e}); "
-                         "calls are traced")
+        except Exception as e:  # noqa: BLE001 - the safety net of a user's first call
+            _log.warning(f"aotc: warning: precompiled {self.identity}: not precompiled ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}); calls are traced")
             return
-        self.functions, self.key = built.functions, built.key
+        self.functions, self.key, self.store = built.functions, built.key, built.store
 
-    def _trace(self, full: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._traced is None:
-            with self._lock:
-                if self._traced is None:
-                    why = dyn.guard_failure(self.functions[0], full, kwargs) if self.functions \
-                        else "nothing stored"
-                    self.last_miss = why
-                    _log.info(f"aotc: precompiled {self.identity}: not this call ({why}); it runs "
-                              "through torch.compile(backend=aotc) (Dynamo traces it)")
-                    self._traced = self._make_traced()
-        self.traced += 1
-        return self._traced(*args, **kwargs)
+    def _make_traced_path(self, full: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        why = dyn.guard_failure(self.functions[0], full, kwargs) if self.functions else "nothing stored"
+        self.last_miss = why
+        _log.info(f"aotc: precompiled {self.identity}: not this call ({why}); it runs through "
+                  "torch.compile(backend=aotc) (Dynamo traces it)")
+        self._traced = self._make_traced()
 
     def __repr__(self) -> str:
         key = "none stored" if self.key is None else f"key={self.key[:16]}…"

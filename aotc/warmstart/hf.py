@@ -16,6 +16,7 @@ transformers compiles only on accelerators unless the compile config says
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["serve_generate"]
@@ -38,23 +39,41 @@ def serve_generate(model: Any, *, name: str | None = None, **options: Any) -> An
         config.compile_config = CompileConfig()
     config.compile_config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
 
-    model.get_compiled_call = _DecodeStep(step)  # the instance's own: generate() asks it per call
+    model.get_compiled_call = _DecodeStep(step, model)  # the instance's own: generate() asks it per call
     return step
 
 
 class _DecodeStep:
     """``model.get_compiled_call``: the precompiled step, whatever compile config is asked for.
     Dynamo pickles the model's attributes with its guards: this pickles as nothing (the step
-    holds locks and loaded programs)."""
+    holds locks and loaded programs). A copy of the model (``copy.deepcopy``) gets
+    transformers' own compiled call: the step is bound to the original's weights."""
 
-    def __init__(self, step: Any) -> None:
+    def __init__(self, step: Any, model: Any) -> None:
+        import weakref
+
         self.step = step
+        self._model: Callable[[], Any] = weakref.ref(model)
 
     def __call__(self, compile_config: Any = None) -> Any:
-        return self.step
+        model = self._model()
+        if self.step is not None or model is None:
+            return self.step
+        return type(model).get_compiled_call(model, compile_config)  # transformers' own
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _DecodeStep:
+        original = self._model()
+        copied = memo.get(id(original)) if original is not None else None
+        clone = _DecodeStep.__new__(_DecodeStep)
+        clone.__setstate__({})
+        if copied is not None:
+            import weakref
+
+            clone._model = weakref.ref(copied)
+        return clone
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.step = None
+        self.step, self._model = None, (lambda: None)

@@ -27,14 +27,22 @@ _log = logger("warmstart")
 
 def load_functions(entry: Any, tiered: Any, context: Any, module: str) -> list[Any]:
     """Dynamo's functions of a stored entry (trust-checked by ``tiered`` before this), each with
-    the graph programs it calls loaded through ``context``."""
+    its identity checks and the graph programs it calls loaded through ``context``."""
+    from aotc.errors import LoadError
     from aotc.warmstart.key import ROLE_PREFIX
 
     roles = sorted((r for r in entry.blobs if r.startswith(ROLE_PREFIX)), key=lambda r: int(r[len(ROLE_PREFIX):]))
+    checks = entry.factors.get("identities", [])
+    if not roles or len(checks) != len(roles):
+        raise LoadError(f"entry {entry.key[:16]}… is not a precompiled function this aotc reads")
     functions = []
-    for role in roles:
+    for role, pairs in zip(roles, checks):
         fn = dyn.from_bytes(tiered.local.read_blob(entry, role), module)
-        dyn.compiled_backend(fn).load_with(context)
+        dyn.set_identities(fn, pairs)
+        backend = dyn.compiled_backend(fn)
+        if not hasattr(backend, "load_with"):
+            raise LoadError(f"entry {entry.key[:16]}… calls {type(backend).__name__}, not an aotc graph")
+        backend.load_with(context)
         functions.append(fn)
     return functions
 
@@ -43,49 +51,67 @@ def precompiled(target: Callable[..., Any], *, name: str | None = None, store: A
                 trust: Iterable[str] | str = (), device: str | None = None, dynamic: bool | None = None,
                 precompile_missing: bool = True, **backend_options: Any) -> Precompiled:
     """``target`` (a module, bound method or function) as stored by :func:`aotc.precompile`
-    (module doc). ``name``: the entry's name (default: the target's identity); ``store`` /
-    ``remote`` / ``trust``: as :func:`aotc.backend`'s (default from the environment);
-    ``device``: default the target's parameters'; ``dynamic``: for the traced path and a build
-    at the first call; ``backend_options``: more :func:`aotc.backend` arguments for both."""
+    (module doc). ``name``: the entry's name (default: the target's identity); ``dynamic`` and
+    ``backend_options`` (more :func:`aotc.backend` arguments): as the entry was precompiled with
+    (they are in its key), and for the traced path; ``store`` / ``remote`` / ``trust``: as
+    :func:`aotc.backend`'s (default from the environment); ``device``: default the target's
+    parameters'. A bad ``target`` raises ``PrecompileError``; anything that goes wrong finding or
+    loading the entry is one warning line, and the calls are traced."""
     from aotc.context import Context
-    from aotc.errors import AotcError, StoreNotFoundError
+    from aotc.errors import PrecompileError
     from aotc.log import configure
-    from aotc.lookup.toolchain import machine_factors
-    from aotc.warmstart.key import device_of, probe_for, target_id
+    from aotc.warmstart.key import target_id
 
     context = Context.from_env(store=store, remote=remote, trust=trust)  # an entry point
     configure(context.settings.log)
-    identity, module = target_id(target)
+    try:
+        identity, module = target_id(target)
+    except TypeError as e:
+        raise PrecompileError(str(e)) from e
     name = name or identity
-    backend_kwargs = {"store": store, "remote": remote, "trust": trust, "name": name, **backend_options}
-    traced = traced_path(target, backend_kwargs, dynamic)
-    build = None
-    if precompile_missing:
-        def build(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Precompiled:
-            from aotc.warmstart.build import precompile
+    traced = traced_path(target, {"store": store, "remote": remote, "trust": trust, "name": name,
+                                  **backend_options}, dynamic)
 
-            return precompile(target, [(args, kwargs)], name=name, store=store, remote=remote, trust=trust,
-                              device=device, dynamic=dynamic, **backend_options)
+    def build(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Precompiled:
+        from aotc.warmstart.build import precompile
+
+        return precompile(target, [(args, kwargs)], name=name, store=store, remote=remote, trust=trust,
+                          device=device, dynamic=dynamic, **backend_options)
+
     try:
-        tiered = context.open_tiered(create=precompile_missing)
-    except StoreNotFoundError as e:
-        _log.info(f"aotc: precompiled {identity}: {e}")
-        return Precompiled(target, identity, [], None, traced, build)
-    try:
-        probe = probe_for(identity, name, machine_factors(device or device_of(target),
-                                                          tiered.local.base / "toolchain"))
-        found = tiered.find_probe(probe, wait=False)
-        if found.entry is None:
-            why = "; ".join(d.describe() for d in found.diffs)[:300] or "none stored"
-            _log.info(f"aotc: precompiled {identity}: no stored entry for this machine and these "
-                      f"sources ({why})")
-            return Precompiled(target, identity, [], None, traced, build, str(tiered.local.root))
-        functions = load_functions(found.entry, tiered, context, module)
-    except (AotcError, RuntimeError, ImportError, TypeError, ValueError, EOFError) as e:
-        # refused, damaged, or Dynamo's pickle no longer matches this process: the traced path
+        return _find_and_load(target, identity, module, name, context, device, dynamic, backend_options,
+                              traced, build if precompile_missing else None)
+    except Exception as e:  # noqa: BLE001 - refused, damaged, unreadable, Dynamo's pickle no longer matching
         _log.warning(f"aotc: warning: precompiled {identity}: the stored entry is not used "
                      f"({type(e).__name__}: {' '.join(str(e).split())[:300]}); calls are traced")
         return Precompiled(target, identity, [], None, traced)
+
+
+def _find_and_load(target: Callable[..., Any], identity: str, module: str, name: str, context: Any,
+                   device: str | None, dynamic: bool | None, options: dict[str, Any], traced: Any,
+                   build: Any) -> Precompiled:
+    from aotc.errors import StoreNotFoundError
+    from aotc.lookup.toolchain import machine_factors
+    from aotc.warmstart.key import device_of, probe_for
+
+    try:
+        tiered = context.open_tiered(create=build is not None)
+    except StoreNotFoundError as e:
+        _log.info(f"aotc: precompiled {identity}: {e}")
+        return Precompiled(target, identity, [], None, traced, build)
+    signer = context.signer
+    if build is not None and tiered.policy.keys and (signer is None or signer.public not in tiered.policy.keys):
+        _log.info(f"aotc: precompiled {identity}: a trust policy is set and this process has no trusted "
+                  "signing key: nothing is precompiled here (set AOTC_SIGNING_KEY)")
+        build = None
+    probe = probe_for(identity, name, machine_factors(device or device_of(target), tiered.local.base / "toolchain"),
+                      dynamic, options)
+    found = tiered.find_probe(probe, wait=False)
+    if found.entry is None:
+        why = "; ".join(d.describe() for d in found.diffs)[:300] or "none stored"
+        _log.info(f"aotc: precompiled {identity}: no stored entry for this machine and these sources ({why})")
+        return Precompiled(target, identity, [], None, traced, build, str(tiered.local.root))
+    functions = load_functions(found.entry, tiered, context, module)
     _log.info(f"aotc: precompiled {identity}: loaded {len(functions)} function(s) from "
               f"{found.entry.key[:16]}… (no trace)")
     return Precompiled(target, identity, functions, found.entry.key, traced, store=str(tiered.local.root))

@@ -2,7 +2,8 @@
 
 The model is built as ``aotc compile`` builds it; one example input per size (default: the
 manifest's ``compile_sizes``), made from its ``inputs`` and passed by name; the entry is named
-after the manifest. A server loads it with ``aotc.precompiled(model, name=<manifest name>)``.
+after the manifest and built with its splitting ops and Inductor patches. A server loads it with
+:func:`precompiled_for` (``aotc.precompiled(model, name=<manifest name>, <those options>)``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PrecompileResult", "precompile_manifest"]
+__all__ = ["PrecompileResult", "precompile_file", "precompile_manifest", "precompiled_for"]
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,45 @@ class PrecompileResult:
     seconds: float
     store: str
 
+    load: str = ""  # the call a server makes to load it
+
     def to_json(self) -> dict[str, Any]:
         """The result as JSON (``--json``)."""
         return {"name": self.name, "key": self.key, "target": self.target, "sizes": list(self.sizes),
-                "graphs": list(self.graphs), "seconds": round(self.seconds, 3), "store": self.store}
+                "graphs": list(self.graphs), "seconds": round(self.seconds, 3), "store": self.store,
+                "load": self.load}
+
+
+def precompile_file(path: str, sizes: Sequence[int] = (), store: Any = None, remote: Any = None) -> PrecompileResult:
+    """:func:`precompile_manifest` of the manifest file ``path`` (``store``: a callable that
+    opens the store for the loaded manifest, or a store); a vLLM manifest is refused: vLLM saves
+    Dynamo's output itself."""
+    from aotc.errors import PrecompileError
+    from aotc.manifest import load_manifest
+    from aotc.vllm.manifest import is_vllm_manifest
+
+    if is_vllm_manifest(path):
+        raise PrecompileError(f"{path}: a vLLM manifest: vLLM saves Dynamo's output itself (its AOT compile, "
+                              "which aotc ships); `aotc compile` it")
+    manifest = load_manifest(path)
+    return precompile_manifest(manifest, sizes, store=store(manifest) if callable(store) else store, remote=remote)
+
+
+def _options(manifest: Any) -> dict[str, Any]:
+    """The backend options a manifest implies (they are in the precompiled entry's key)."""
+    from aotc.manifest import thaw
+
+    return {k: v for k, v in (("splitting_ops", list(manifest.splitting_ops)), ("inductor", thaw(manifest.inductor)))
+            if v}
+
+
+def precompiled_for(manifest: Any, model: Any, **kwargs: Any) -> Any:
+    """The server's side of ``aotc precompile MANIFEST``: :func:`aotc.precompiled` of the
+    server's own ``model`` under the manifest's name, device and options (``kwargs``: more of
+    ``precompiled``'s, e.g. ``store=``)."""
+    from aotc.warmstart.load import precompiled
+
+    return precompiled(model, name=manifest.name, device=manifest.device, **{**_options(manifest), **kwargs})
 
 
 def precompile_manifest(manifest: Any, sizes: Sequence[int] = (), store: Any = None,
@@ -41,7 +77,6 @@ def precompile_manifest(manifest: Any, sizes: Sequence[int] = (), store: Any = N
     import torch
 
     from aotc.errors import PrecompileError
-    from aotc.manifest import thaw
     from aotc.model.build import build_model, make_named_inputs
     from aotc.warmstart.build import precompile
 
@@ -52,9 +87,10 @@ def precompile_manifest(manifest: Any, sizes: Sequence[int] = (), store: Any = N
     t0 = time.perf_counter()
     model = build_model(manifest)
     inputs = [make_named_inputs(manifest, n) for n in sizes]
+    options = _options(manifest)
     with torch.no_grad():
         done = precompile(model, inputs, name=manifest.name, store=store, remote=remote, device=manifest.device,
-                          splitting_ops=list(manifest.splitting_ops) or None,
-                          inductor=thaw(manifest.inductor) or None)
+                          **options)
+    load = ", ".join([f"name={manifest.name!r}", *(f"{k}={v!r}" for k, v in options.items())])
     return PrecompileResult(manifest.name, str(done.key), done.identity, sizes, tuple(done.graph_keys),
-                            time.perf_counter() - t0, done.store)
+                            time.perf_counter() - t0, done.store, f"aotc.precompiled(model, {load})")
