@@ -191,7 +191,8 @@ def register(group: click.Group) -> None:
 @guard
 def precompile_command(ctx: click.Context, manifest: str, sizes: tuple[int, ...], as_json: bool) -> None:
     """Trace MANIFEST's model with Dynamo once per size, aotc as the backend, and store Dynamo's
-    output so a server's ``aotc.precompiled(model, name=NAME)`` starts without tracing."""
+    output so a server starts without tracing (the load call it prints: ``aotc.precompiled(model,
+    name=NAME, <the manifest's options>)``)."""
     from aotc.warmstart.manifest import precompile_file
 
     app: AppContext = ctx.obj
