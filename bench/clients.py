@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
+    from bench.report import byte_compile_aotc
+
+    byte_compile_aotc()  # as installed: aotc's bytecode written once, not per start
     results: dict[str, Any] = {}
     for case in args.cases.split(","):
         rounds = []

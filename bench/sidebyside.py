@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="comma-separated contenders to run (default: all)")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args(argv)
+    from bench.report import byte_compile_aotc
+
+    byte_compile_aotc()  # as installed: aotc's bytecode written once, not per start
     layers = args.layers or (2 if args.quick else 8)
     n_sizes = args.sizes or (1 if args.quick else 5)
     runs = args.runs or (1 if args.quick else 3)

@@ -281,3 +281,26 @@ def test_an_unusable_store_is_one_warning_and_the_traced_path(tmp_path: Path, ca
         torch.testing.assert_close(p(x), model(x))
     assert p.key is None and p.traced == 1
     assert any("the stored entry is not used" in w for w in aotc_warnings(caplog))
+
+
+def test_the_load_pauses_the_garbage_collector_and_puts_it_back() -> None:
+    """Dynamo's guards are rebuilt with the GC off (a full collection of the server's heap set
+    off by the unpickled objects was half the load); it is back as it was after, raise or not."""
+    import gc
+
+    from aotc.warmstart.load import _gc_paused
+
+    assert gc.isenabled()
+    with _gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _gc_paused():
+        raise RuntimeError("a load that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # a server that runs with the GC off keeps it off
+    finally:
+        gc.enable()

@@ -13,7 +13,9 @@ process starts warm.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import gc
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from aotc._torch import precompile as dyn
@@ -23,6 +25,21 @@ from aotc.warmstart.callable import Precompiled, traced_path
 __all__ = ["load_functions", "precompiled"]
 
 _log = logger("warmstart")
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic GC off for the block (back as it was after). Rebuilding Dynamo's guards
+    unpickles ~16k objects; those allocations cross the GC's threshold and set off a full
+    collection of the server's whole heap (torch, transformers, the model): 0.24 s of a 0.42 s
+    load measured on a tiny Llama, spent walking objects that are not garbage."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def load_functions(entry: Any, tiered: Any, context: Any, module: str) -> list[Any]:
@@ -111,7 +128,8 @@ def _find_and_load(target: Callable[..., Any], identity: str, module: str, name:
         why = "; ".join(d.describe() for d in found.diffs)[:300] or "none stored"
         _log.info(f"aotc: precompiled {identity}: no stored entry for this machine and these sources ({why})")
         return Precompiled(target, identity, [], None, traced, build, str(tiered.local.root))
-    functions = load_functions(found.entry, tiered, context, module)
+    with _gc_paused():
+        functions = load_functions(found.entry, tiered, context, module)
     _log.info(f"aotc: precompiled {identity}: loaded {len(functions)} function(s) from "
               f"{found.entry.key[:16]}… (no trace)")
     return Precompiled(target, identity, functions, found.entry.key, traced, store=str(tiered.local.root))
