@@ -84,8 +84,8 @@ def test_warm_a_client_gets_eagers_results_and_compiles_nothing(corpus: dict[str
     assert got["compiles"] == 0 and got["inductor_compiles"] == 0 and got["hits"] >= 1, got
     if "tokens" in got:
         assert got["tokens"] == corpus["cold"]["cases"][case]["tokens"]
-    if case.startswith("torchao"):  # subclass weights flattened for the no-Inductor fast path
-        assert got["fast_loads"] == got["loads"] > 0, got
+    if case.startswith("torchao") or case == "train-step":  # subclass weights flattened; a
+        assert got["fast_loads"] == got["loads"] > 0, got   # training piece's fw+bw: no Inductor
 
 
 @pytest.mark.slow

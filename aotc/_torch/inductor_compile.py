@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.fx
 
-from aotc._torch import kernel_batch, kernel_checks, kernel_pool, wrapper
+from aotc._torch import kernel_batch, kernel_checks, kernel_pool, training_path, wrapper
 from aotc._torch.dynamo import is_restart
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
@@ -363,10 +363,9 @@ def finish_piece(p: PendingPiece, build_seconds: float = 0.0) -> CompiledPiece:
     vals = p.inputs if p.size is not None else [
         p.real.get(i, v) for i, v in enumerate(static_example_inputs(p.inputs, _CHECK_TOKENS))]
     kernel_root = p.out_dir / "kernels"
-    note = "a training graph: its forward and backward load through AOTAutograd" \
-        if p.gm.meta.get(_TRAINING) else \
-        wrapper.record_fast_path(p.art, vals, tmp, files, p.out_dir / "wrapper.json",
-                                 undefined_outputs(p.gm))
+    record = training_path.record_training_fast_path if p.gm.meta.get(_TRAINING) else \
+        wrapper.record_fast_path  # a training piece: its forward, backward and AOTAutograd's runtime
+    note = record(p.art, vals, tmp, files, p.out_dir / "wrapper.json", undefined_outputs(p.gm))
     phases["fast-path check"] = time.perf_counter() - t
     t = time.perf_counter()
     for rel in files:

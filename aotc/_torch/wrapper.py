@@ -166,16 +166,19 @@ def _source_files(cache_dir: Path) -> list[Path]:
     return found
 
 
-def extract(cache_dir: Path, kernel_files: Sequence[str]) -> WrapperCode:
+def extract(cache_dir: Path, kernel_files: Sequence[str], source: str | None = None) -> WrapperCode:
     """The fast-path record of the one piece compiled into ``cache_dir`` (compile time).
 
-    ``kernel_files``: the kernel libraries found there (relative paths). Raises
-    :class:`Unsupported` when the wrapper needs more than the shims provide.
+    ``kernel_files``: the kernel libraries found there (relative paths). ``source``: the
+    generated module's text when the dir holds several (a training piece's forward and
+    backward); else the dir's one module. Raises :class:`Unsupported` when the wrapper needs
+    more than the shims provide.
     """
-    sources = _source_files(cache_dir)
-    if len(sources) != 1:
-        raise Unsupported(f"expected one generated wrapper module, found {len(sources)}")
-    source = sources[0].read_text(encoding="utf-8")
+    if source is None:
+        sources = _source_files(cache_dir)
+        if len(sources) != 1:
+            raise Unsupported(f"expected one generated wrapper module, found {len(sources)}")
+        source = sources[0].read_text(encoding="utf-8")
     extern_names = _check_ast(source)
     from torch._inductor.codegen.memory_planning import _align
     from torch._inductor.select_algorithm import extern_kernels
@@ -270,9 +273,9 @@ def _load_kernel_library(path: Path, digest: str) -> Callable[..., Any]:
     return kernel
 
 
-def load(code: WrapperCode, kernel_root: Path) -> Callable[..., list[torch.Tensor]]:
-    """A callable running ``code`` over the kernel libraries under ``kernel_root``; it takes the
-    piece's arguments and returns its outputs as a list (like ``inductor.load_piece``)."""
+def load_call(code: WrapperCode, kernel_root: Path) -> Callable[[list[Any]], Any]:
+    """The generated module's own ``call(args)`` over the kernel libraries under
+    ``kernel_root``: it takes the argument *list* (and empties it, as Inductor's callers expect)."""
     kernel_root = Path(kernel_root)
 
     def kernel(argtypes: Sequence[str], source: str) -> Callable[..., Any]:
@@ -282,8 +285,14 @@ def load(code: WrapperCode, kernel_root: Path) -> Callable[..., list[torch.Tenso
             raise ImportError("the wrapper asks for a kernel that was not recorded at compile time")
         return _load_kernel_library(kernel_root / rel, digest)
 
-    scope = _exec(code.source, _shims(kernel, code.externs))
-    call = scope["call"]
+    call: Callable[[list[Any]], Any] = _exec(code.source, _shims(kernel, code.externs))["call"]
+    return call
+
+
+def load(code: WrapperCode, kernel_root: Path) -> Callable[..., list[torch.Tensor]]:
+    """A callable running ``code`` over the kernel libraries under ``kernel_root``; it takes the
+    piece's arguments and returns its outputs as a list (like ``inductor.load_piece``)."""
+    call = load_call(code, kernel_root)
     spec = {int(i): [p.split(".") for p in paths] for i, paths in code.flatten.items()}
 
     def run(*args: Any) -> list[torch.Tensor]:

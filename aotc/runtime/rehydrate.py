@@ -4,10 +4,11 @@ loader and by the compile step's numeric check, so the check runs exactly what t
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import compiler, wrapper
+from aotc._torch import compiler, training_path, wrapper
 from aotc.counters import COUNTERS
 from aotc.errors import LoadError
 from aotc.records.program import Program
@@ -25,9 +26,11 @@ def rehydrate(program: Program, files: dict[str, Path], kernel_root: Path,
     for a in program.artifacts:
         if fast and a.wrapper_role:
             try:
-                code = wrapper.WrapperCode.from_json(files[a.wrapper_role].read_bytes())
-                fn = wrapper.load(code, kernel_root)
-            except (ValueError, KeyError, TypeError, ImportError, OSError, SyntaxError) as e:
+                data = files[a.wrapper_role].read_bytes()
+                fn = training_path.load(data, kernel_root) if training_path.is_training_record(data) \
+                    else wrapper.load(wrapper.WrapperCode.from_json(data), kernel_root)
+            except (ValueError, KeyError, TypeError, AttributeError, ImportError, OSError, SyntaxError,
+                    pickle.UnpicklingError) as e:
                 raise LoadError(f"fast-path record {a.wrapper_role} cannot be loaded "
                                 f"({type(e).__name__}: {e}); set AOTC_LOADER=inductor to load "
                                 "through Inductor, or recompile") from e
