@@ -16,8 +16,9 @@ returns — outputs, which outputs carry a ``grad_fn``, every input's gradient, 
 forward mutates (BatchNorm's running statistics) — on the same random inputs
 (:func:`record_training_fast_path`); anything else keeps Inductor's loader. Private torch APIs:
 ``torch._functorch._aot_autograd.runtime_wrappers`` (and ``aot_autograd_result`` /
-``torch._inductor.output_code`` at compile time, to read the entry). Written for torch 2.13.0
-(CPU); on other versions a difference shows as a refused record at compile time.
+``torch._inductor.output_code`` at compile time, to read the entry). Written for torch 2.13,
+tested on 2.13.0 (CPU); on other versions (2.11, 2.12) a difference in these APIs shows as a refused
+record at compile time, and the piece keeps Inductor's loader.
 """
 
 from __future__ import annotations
