@@ -7,7 +7,9 @@ raises does not stop the others.
 
 ``CLIENTS_MORE_BACKEND=inductor`` runs the same cases through Inductor's own backend (to tell
 aotc's failures from the library's or torch's, and to calibrate tolerances); ``eager`` through
-Dynamo alone; ``none`` without ``torch.compile`` (``bench/clients.py``).
+Dynamo alone; ``none`` without ``torch.compile`` (``bench/clients.py``); ``precompiled`` through
+``aotc.precompiled`` (Dynamo's output stored at the first call of a cold process, loaded with no
+trace in a warm one).
 
 Cases: ``cnn-maxpool``, ``encoder-two-shapes`` (sentence-transformers over a local tiny BERT at
 two batch shapes), ``bf16-model``, ``fp16-model``, ``autocast-bf16``, ``cond``,
@@ -44,6 +46,10 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 def compile_(fn: Any, **kw: Any) -> Any:
     if BACKEND == "none":  # plain eager, no torch.compile (bench/clients.py's baseline)
         return fn
+    if BACKEND == "precompiled":  # the first call of a cold process precompiles with its arguments
+        import aotc
+
+        return aotc.precompiled(fn, **kw)
     return torch.compile(fn, backend=BACKEND, **kw)
 
 
