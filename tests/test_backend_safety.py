@@ -258,6 +258,9 @@ def test_a_piece_gets_its_inputs_in_the_layout_it_was_compiled_for() -> None:
     assert in_layouts((one,), [(0, (0, 1, 2))], memo)[0] is one
     args = (fine, weight, fine)
     assert in_layouts(args, layouts, memo) is args  # nothing copied: the same tuple back
+    dense = torch.randn(3, 4, 5)  # contiguous, but the piece wants dim 1 innermost
+    moved = in_layouts((dense,), [(0, (0, 2, 1))], memo)[0]
+    assert moved is not dense and moved.stride() == (20, 1, 4) and torch.equal(moved, dense)
 
 
 def test_a_process_that_configures_no_logging_sees_aotc_warnings_only(tmp_path: Path) -> None:

@@ -47,11 +47,12 @@ class PieceCall:
         self.dynamic = self.by_size.get(None)
         self.layouts = [(i, tuple(o)) for i, o in enumerate(layouts or ()) if o is not None]
         self._strides: dict[Any, tuple[int, ...]] = {}
+        self._local = getattr(runner, "_local", None)  # the token count in flight, read per call
 
     def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
         if self.layouts:
             args = in_layouts(args, self.layouts, self._strides)  # type: ignore[assignment]  # in_layouts hands back a sequence of the same arguments
-        n = self.runner.current_tokens
+        n = getattr(self._local, "tokens", 0) if self._local is not None else self.runner.current_tokens
         fn = self.by_size.get(n) or self.dynamic
         if fn is None:
             raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
@@ -66,18 +67,24 @@ class PieceCall:
         return out if self.returns_tuple else out[0]
 
 
+_ROW_MAJOR = {n: tuple(range(n)) for n in range(9)}
+
+
 def in_layouts(args: Sequence[Any], layouts: Sequence[tuple[int, tuple[int, ...]]],
                memo: dict[Any, tuple[int, ...]]) -> Sequence[Any]:
     """``args`` with each tensor whose layout differs from the one its piece was compiled for
     (``layouts``: ``(position, dims outermost first)``) replaced by a copy in that layout; a dim
     of size 1 may have any stride. Inductor asserts its inputs' strides: another piece or an
     eager attention op may lay out its output otherwise than the trace said. ``memo``: the
-    strides wanted per (position, shape), filled as calls come."""
+    strides wanted per (position, shape), filled as calls come. A contiguous tensor wanted
+    outermost-first (most are) is passed with one check, no stride arithmetic."""
     out: list[Any] | None = None
     for i, order in layouts:
         t = args[i] if i < len(args) else None
         if not isinstance(t, torch.Tensor) or t.dim() != len(order):
             continue
+        if order == _ROW_MAJOR.get(len(order)) and t.is_contiguous() and t.numel():
+            continue  # torch's contiguity ignores size-1 dims' strides, as the rule above does
         shape = t.shape
         want = memo.get((i, shape))
         if want is None:
