@@ -4,8 +4,7 @@
 
 Each client of ``tests/helpers/clients_more_run.py`` (a CNN with max-pool and BatchNorm, a bf16
 model, ``torch.cond``, a torchao int8 Llama, a training step, a diffusers UNet; ``--cases`` picks
-others) runs in a
-fresh process per contender: eager (no ``torch.compile``), dynamo-only (``backend="eager"``:
+others) runs in a fresh process per contender: eager (no ``torch.compile``), dynamo-only (``backend="eager"``:
 Dynamo's trace, the floor of every backend), Inductor cold (empty Inductor dir and TMPDIR) and
 warm (the same dirs again), aotc cold (empty store, Inductor dir and TMPDIR) and warm (that store,
 a NEW empty Inductor dir). The figure is the case's seconds in its process: building the model
