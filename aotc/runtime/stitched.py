@@ -37,8 +37,8 @@ _PATH = re.compile(r"(?:/[^\s:,'\"]+)+\.(?:cpp|h|py|so)(?::\d+)?")  # compile-ti
 
 
 class PieceCall:
-    """Calls a compiled piece's artifact for the runner's current token count (a runner has
-    ``current_tokens`` and ``kernel_error``)."""
+    """Calls a compiled piece's artifact for the runner's current token count (a runner is a
+    :class:`StitchedProgram`: its thread-local ``_local.tokens`` and ``kernel_error``)."""
 
     def __init__(self, runner: Any, name: str, uid: str, by_size: Mapping[int | None, Artifact],
                  returns_tuple: bool = True, layouts: Sequence[Sequence[int] | None] | None = None) -> None:
@@ -47,12 +47,12 @@ class PieceCall:
         self.dynamic = self.by_size.get(None)
         self.layouts = [(i, tuple(o)) for i, o in enumerate(layouts or ()) if o is not None]
         self._strides: dict[Any, tuple[int, ...]] = {}
-        self._local = getattr(runner, "_local", None)  # the token count in flight, read per call
+        self._local = runner._local  # the token count in flight, read per call
 
     def __call__(self, *args: Any) -> Sequence[torch.Tensor]:
         if self.layouts:
             args = in_layouts(args, self.layouts, self._strides)  # type: ignore[assignment]  # in_layouts hands back a sequence of the same arguments
-        n = getattr(self._local, "tokens", 0) if self._local is not None else self.runner.current_tokens
+        n = getattr(self._local, "tokens", 0)
         fn = self.by_size.get(n) or self.dynamic
         if fn is None:
             raise InputError(f"no artifact of piece {self.uid} serves {n} tokens "
