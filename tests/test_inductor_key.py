@@ -49,13 +49,32 @@ def test_an_in_process_change_of_a_code_changing_setting_changes_the_key(graph, 
 
 
 def test_a_backend_patch_wins_over_the_process_setting(graph) -> None:
-    """The default backend compiles with ``cpp.dynamic_threads=True`` whatever the process
+    """A backend made with ``cpp.dynamic_threads=True`` compiles with it whatever the process
     has: the process's value cannot change the kernels, so it does not change the key."""
-    default = BackendConfig()
-    assert default.inductor.get("cpp.dynamic_threads") is True
-    before = _key(graph, default)
+    dynamic = BackendConfig.make(inductor={"cpp.dynamic_threads": True})
+    before = _key(graph, dynamic)
     with config.patch({"cpp.dynamic_threads": False}):
-        assert _key(graph, default) == before
+        assert _key(graph, dynamic) == before
+
+
+def test_the_thread_count_kernels_are_written_for_is_keyed(graph) -> None:
+    """The default backend compiles as Inductor does (no patch: kernels for the process's thread
+    count), so another thread count is another key, as in Inductor's FX graph cache; kernels
+    that read the count at run time (``cpp.dynamic_threads``) or a fixed ``cpp.threads`` are
+    keyed the same under any count."""
+    assert BackendConfig().inductor == {}
+    dynamic = BackendConfig.make(inductor={"cpp.dynamic_threads": True})
+    fixed = BackendConfig.make(inductor={"cpp.threads": 4})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (_key(graph), _key(graph, dynamic), _key(graph, fixed))
+        torch.set_num_threads(2)
+        two = (_key(graph), _key(graph, dynamic), _key(graph, fixed))
+    finally:
+        torch.set_num_threads(threads)
+    assert one[0] != two[0]
+    assert one[1:] == two[1:]
 
 
 @pytest.mark.parametrize("patch", [{"compile_threads": 1}, {"global_cache_dir": "/tmp/elsewhere"},
@@ -143,7 +162,7 @@ import json, sys
 from aotc._torch.inductor_facts import config_values
 from aotc.lookup.resolve import inductor_factors
 from aotc.records.key import compute_key
-f = inductor_factors({{}}, config_values())
+f = inductor_factors({{}}, config_values(), "cpu")
 print(json.dumps({{"key": compute_key(f), "factors": f}}, sort_keys=True))
 """
 

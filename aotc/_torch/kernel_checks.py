@@ -7,8 +7,8 @@ out of bounds: …")``, which throws a C++ exception. Thrown inside an OpenMP pa
 exception may not leave it) that is ``std::terminate``: the whole process dies with SIGABRT. The
 kernel's Python binding would have turned the exception into a ``RuntimeError`` had it been
 thrown outside the region, and Inductor only parallelizes some kernels (every one with
-``cpp.dynamic_threads``, which the backend compiles with) — so a token id outside the vocabulary
-raises under ``torch.compile(backend="inductor")`` and killed a server under aotc.
+``cpp.dynamic_threads``, which vLLM's CPU workers compile with) — so a token id outside the
+vocabulary raises under ``torch.compile(backend="inductor")`` and killed a server under aotc.
 
 :func:`guard_checks` rewrites each such check that sits in a loop into: note the first failure
 in a variable of the kernel call (shared by the region's threads), skip the rest of this loop

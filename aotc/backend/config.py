@@ -27,9 +27,12 @@ DEFAULT_SPLITTING_OPS = (
 )
 
 
-# Inductor patches the backend compiles with unless given others: kernels read the thread count
-# at run time (a server binds its worker to fewer cores than the compile saw: vLLM's CPU worker)
-DEFAULT_INDUCTOR: dict[str, Any] = {"cpp.dynamic_threads": True}
+# Inductor patches the backend compiles with unless given others: none, Inductor's own defaults.
+# CPU kernels are then written for the process's thread count, which is in the key
+# (aotc.lookup.resolve.inductor_factors); kernels that read it at run time
+# (``cpp.dynamic_threads``, which vLLM's CPU platform sets for its workers) cost a decode step
+# of transformers' generate() 3 % here (bench/decode_pair.py).
+DEFAULT_INDUCTOR: dict[str, Any] = {}
 
 
 def _sizes(value: Any, where: str) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | 
         "graph": graph_factors(gm, example_inputs),
         "toolchain": machine["toolchain"],
         # live values: a framework may patch Inductor's config around the compile (vLLM does)
-        "inductor": inductor_factors(dict(config.inductor), inductor_facts.config_values()),
+        "inductor": inductor_factors(dict(config.inductor), inductor_facts.config_values(), device),
         "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash(), "kind": "graph"},
         "backend": {"splitting_ops": sorted(config.ops(settings)),
                     "compile_sizes": list(config.sizes(settings))},

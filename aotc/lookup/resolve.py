@@ -27,15 +27,25 @@ from aotc.manifest import Manifest, thaw
 from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 
 
-def inductor_factors(patches: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def inductor_factors(patches: dict[str, Any], values: dict[str, Any], device: str) -> dict[str, Any]:
     """The Inductor part of the key: the manifest's (or backend's) patches as given; every
     setting this process would compile with — ``values`` (``aotc._torch.inductor_facts.
     config_values()``: Inductor's whole portable config minus its deny-list, canonical) with the
-    patches of those settings applied; and the TORCHINDUCTOR_* / TORCH_COMPILE_* / TORCHDYNAMO_*
-    variables other than locations, thread counts and logging. A patch of a denied setting only
-    enters ``patches``; a patch value with no canonical form makes the key a ``TypeError``."""
+    patches of those settings applied; the TORCHINDUCTOR_* / TORCH_COMPILE_* / TORCHDYNAMO_*
+    variables other than locations, thread counts and logging; and, for a CPU program whose C++
+    kernels are written for a fixed team (``cpp.threads`` unset, ``cpp.dynamic_threads`` off:
+    Inductor's defaults), the thread count they are written for (``torch.get_num_threads()``, as
+    Inductor's own FX graph cache keys it): a process with another count is another key. A patch
+    of a denied setting only enters ``patches``; a patch value with no canonical form makes the
+    key a ``TypeError``."""
     applied = {**values, **{k: v for k, v in patches.items() if k in values}}
-    return {"patches": patches, "values": applied, "env": codegen_env()}
+    factors = {"patches": patches, "values": applied, "env": codegen_env()}
+    if str(device).split(":", 1)[0] == "cpu" and not applied.get("cpp.dynamic_threads") \
+            and int(applied.get("cpp.threads") or -1) < 1:
+        import torch  # here: the store's commands import this module and never torch
+
+        factors["cpu_threads"] = torch.get_num_threads()
+    return factors
 
 
 def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
@@ -44,7 +54,8 @@ def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
     m = manifest.key_factors()
     m.pop("inductor", None)
     return {"manifest": m, "toolchain": machine["toolchain"],
-            "inductor": inductor_factors(thaw(manifest.inductor), machine["inductor_values"]),
+            "inductor": inductor_factors(thaw(manifest.inductor), machine["inductor_values"],
+                                          manifest.device),
             "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash()}}
 
 

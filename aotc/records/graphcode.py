@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import operator
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -201,18 +202,56 @@ class GraphProgram:
 _LITERALS = (bool, int, str, type(None))
 
 
-def _as_python(encoded: Encoded) -> tuple[Callable[..., Any], list[Any], list[Any]] | None:
-    """The graph as one Python function ``fn(modules, fns, consts, args)`` — a straight line of
-    calls, each value deleted after its last use, as FX's own codegen writes it — or None when
-    the graph has anything this writer does not know (the interpreter runs it then). Decoded
-    once: a call runs no per-node Python of ours."""
+@dataclass(frozen=True)
+class Bound:
+    """A ``call_module`` target bound into a straight-line function (:func:`straight_line`):
+    ``fn`` is called with the node's arguments (through ``prepare(args, *prepare_args)`` first
+    when ``prepare`` is set) and, when ``first``, its result's item 0 is the node's value."""
+
+    fn: Callable[..., Any]
+    first: bool = False
+    prepare: Callable[..., Any] | None = None
+    prepare_args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class StraightLine:
+    """A graph as one Python function of its placeholders (:func:`straight_line`); ``lines``:
+    the line of ``fn``'s code that calls each bound module, by module name."""
+
+    fn: Callable[..., Any]
+    lines: dict[int, str]
+
+
+def straight_line(encoded: Encoded, bound: Mapping[str, Bound]) -> StraightLine | None:
+    """``encoded`` as one function ``fn(*placeholders)`` whose ``call_module`` nodes call
+    ``bound[name]`` directly — no table lookup, no wrapper object, no per-call dispatch — or None
+    when the graph has anything the writer does not know or a module that is not bound."""
+    got = _as_python(encoded, bound)
+    if got is None:
+        return None
+    fn, lines = got
+    return StraightLine(fn, lines)
+
+
+def _as_python(encoded: Encoded, bound: Mapping[str, Bound] | None = None) -> Any:
+    """The graph as one Python function — a straight line of calls, each value deleted after
+    its last use, as FX's own codegen writes it — or None when the graph has anything this
+    writer does not know (the interpreter runs it then). Decoded once: a call runs no per-node
+    Python of ours. Without ``bound``: ``(fn(modules, fns, consts, args), fns, consts)``; with
+    it (:func:`straight_line`): ``(fn(*args), {line: module name})``."""
     fns: list[Any] = []
     consts: list[Any] = []
     var: dict[str, str] = {}
+    lines_of: dict[int, str] = {}
 
     def const(value: Any) -> str:
         consts.append(value)
         return f"_c[{len(consts) - 1}]"
+
+    def fn_ref(value: Any) -> str:
+        fns.append(value)
+        return f"_f[{len(fns) - 1}]"
 
     def expr(a: Any) -> str:
         if isinstance(a, dict):
@@ -238,12 +277,15 @@ def _as_python(encoded: Encoded) -> tuple[Callable[..., Any], list[Any], list[An
 
     try:
         nodes = encoded["nodes"]
-        lines = ["def _stitched(_m, _f, _c, _a):"]
         params = [n["name"] for n in nodes if n["op"] == "placeholder"]
         for i, name in enumerate(params):
             var[name] = f"p{i}"
-        if params:
-            lines.append("    " + ", ".join(var[n] for n in params) + ", = _a")
+        if bound is None:
+            lines = ["def _stitched(_m, _f, _c, _a):"]
+            if params:
+                lines.append("    " + ", ".join(var[n] for n in params) + ", = _a")
+        else:
+            lines = [f"def _stitched({', '.join(var[n] for n in params)}):"]
         body = [n for n in nodes if n["op"] == "call"]
         last_use: dict[str, int] = {}
         for i, n in enumerate(body):
@@ -258,28 +300,39 @@ def _as_python(encoded: Encoded) -> tuple[Callable[..., Any], list[Any], list[An
             kwargs = [f"{k}={expr(v)}" for k, v in n["kwargs"]["$dict"].items()]
             if any(not k.isidentifier() for k in n["kwargs"]["$dict"]):
                 return None
-            if kind == "mod":
+            tail = ""
+            if kind == "mod" and bound is not None:
+                b = bound.get(what)
+                if b is None or kwargs:
+                    return None
+                call = fn_ref(b.fn)
+                if b.prepare is not None:
+                    extra = ", ".join(const(x) for x in b.prepare_args)
+                    args = [f"*{fn_ref(b.prepare)}(({', '.join(args)}{',' if len(args) == 1 else ''}), {extra})"]
+                tail = "[0]" if b.first else ""
+                lines_of[len(lines) + 1] = what
+            elif kind == "mod":
                 call = f"_m[{what!r}]"
             elif kind == "method":
                 if not what.isidentifier() or not args:
                     return None
                 call, args = f"{args[0]}.{what}", args[1:]
             elif kind == "op":
-                fns.append(_resolve_op(what))
-                call = f"_f[{len(fns) - 1}]"
+                call = fn_ref(_resolve_op(what))
             elif kind == "fn":
-                fns.append(operator.getitem if what == "operator.getitem" else _resolve_fn(what))
-                call = f"_f[{len(fns) - 1}]"
+                call = fn_ref(operator.getitem if what == "operator.getitem" else _resolve_fn(what))
             else:
                 return None
-            lines.append(f"    v{i} = {call}({', '.join(args + kwargs)})")
+            lines.append(f"    v{i} = {call}({', '.join(args + kwargs)}){tail}")
             dead = sorted({var[r] for r, at in last_use.items() if at == i and r not in kept
                            and r in var})
             if dead:
                 lines.append(f"    del {', '.join(dead)}")
         lines.append(f"    return {expr(output['args'])}")
-        scope: dict[str, Any] = {}
+        scope: dict[str, Any] = {"_f": fns, "_c": consts}
         exec(compile("\n".join(lines) + "\n", "<aotc stitch>", "exec"), scope)  # noqa: S102 - our own writer's text
+        if bound is not None:
+            return scope["_stitched"], lines_of
         return scope["_stitched"], fns, consts
     except (KeyError, TypeError, ValueError, SyntaxError, StopIteration):
         return None

@@ -39,6 +39,8 @@ class GraphRunner(StitchedProgram):
 
     def tokens_of(self, args: Sequence[Any]) -> int:
         """The call's token count when every size symbol agrees on one, else 0."""
+        if len(self._symbols) == 1:
+            return int(args[self._symbols[0]])
         if self._symbols:
             values = {int(args[i]) for i in self._symbols}
             return values.pop() if len(values) == 1 else 0

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from aotc.errors import AotcError, InputError, RunError
-from aotc.records.graphcode import GraphProgram
+from aotc.records.graphcode import Bound, GraphProgram, StraightLine, straight_line
 from aotc.records.program import Program
 
 __all__ = ["Artifact", "PieceCall", "PieceWrap", "SplittingCall", "StitchedProgram", "Timings",
@@ -106,8 +106,10 @@ def in_layouts(args: Sequence[Any], layouts: Sequence[tuple[int, tuple[int, ...]
 class SplittingCall:
     """Runs an attention piece's small graph eagerly."""
 
-    def __init__(self, graph: GraphProgram) -> None:
+    def __init__(self, graph: GraphProgram, encoded: dict[str, Any]) -> None:
         self.graph = graph
+        line = straight_line(encoded, {})
+        self.direct: Callable[..., Any] = self if line is None else line.fn  # the graph as one function
 
     def __call__(self, *args: Any) -> Any:
         return self.graph({}, *args)
@@ -126,6 +128,48 @@ class Timings:
     @property
     def total(self) -> float:
         return sum(self.phases.values())
+
+
+def direct_stitches(program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
+                    table: Mapping[str, Callable[..., Any]]) -> dict[int | None, StraightLine]:
+    """The program's stitch written once per size its artifacts serve (None: the dynamic ones),
+    each compiled piece bound to that size's artifact (else its dynamic one, as
+    :class:`PieceCall` picks) and each splitting piece to its graph as one function. A size a
+    piece has no artifact for, or a stitch the writer cannot write, is left out."""
+    sizes: set[int | None] = {s for p in program.pieces if p.kind == "compiled"
+                              for s in artifacts[str(p.uid)]}
+    out: dict[int | None, StraightLine] = {}
+    for size in sorted(sizes, key=lambda s: -1 if s is None else s):
+        bound: dict[str, Bound] = {}
+        for p in program.pieces:
+            call = table[p.name]
+            if p.kind != "compiled":
+                bound[p.name] = Bound(call.direct if isinstance(call, SplittingCall) else call)
+                continue
+            by_size = artifacts[str(p.uid)]
+            fn = by_size.get(size) or by_size.get(None)
+            if fn is None:
+                break
+            layouts = call.layouts if isinstance(call, PieceCall) else []
+            bound[p.name] = Bound(fn, first=not p.returns_tuple,
+                                  prepare=in_layouts if layouts else None,
+                                  prepare_args=(layouts, {}) if layouts else ())
+        else:
+            line = straight_line(program.stitch, bound)
+            if line is not None:
+                out[size] = line
+    return out
+
+
+def _failed_piece(e: BaseException, line: StraightLine) -> str | None:
+    """The name of the compiled piece whose call in ``line`` raised ``e`` (None: another line)."""
+    tb = e.__traceback__
+    name = None
+    while tb is not None:
+        if tb.tb_frame.f_code is line.fn.__code__:
+            name = line.lines.get(tb.tb_lineno)
+        tb = tb.tb_next
+    return name
 
 
 def kernel_text(e: BaseException) -> str:
@@ -155,7 +199,8 @@ class StitchedProgram:
         for p in program.pieces:
             call: Callable[..., Any]
             if p.kind != "compiled":
-                call = SplittingCall(GraphProgram(p.graph or {"nodes": []}))
+                encoded = p.graph or {"nodes": []}
+                call = SplittingCall(GraphProgram(encoded), encoded)
                 wrap = wrap_splitting
             else:
                 call = modules[p.name] if modules is not None and p.name in modules else \
@@ -163,6 +208,12 @@ class StitchedProgram:
                               p.layouts)
                 wrap = wrap_piece
             self._modules[p.name] = call if wrap is None else wrap(p.name, call)
+        # with nothing wrapped or replaced: one straight-line stitch per size, each calling that
+        # size's artifacts directly (no PieceCall, no dispatch per piece); the table above runs
+        # a size none of them serves (and names the missing artifact)
+        plain = modules is None and wrap_piece is None and wrap_splitting is None
+        self._lines: dict[int | None, StraightLine] = direct_stitches(program, artifacts, self._modules) \
+            if plain else {}
 
     @property
     def current_tokens(self) -> int:
@@ -178,7 +229,19 @@ class StitchedProgram:
     def run_stitch(self, tokens: int, args: Sequence[Any]) -> Any:
         """The stitch over ``args`` (its placeholders' values), pieces dispatched for ``tokens``."""
         self._local.tokens = tokens
-        if self.program.training:  # autograd through the pieces, as the caller's grad mode says
-            return self._stitch(self._modules, *args)
-        with torch.no_grad():
-            return self._stitch(self._modules, *args)
+        line = self._lines.get(tokens) or self._lines.get(None)
+        if line is None:
+            if self.program.training:  # autograd through the pieces, as the caller's grad mode says
+                return self._stitch(self._modules, *args)
+            with torch.no_grad():
+                return self._stitch(self._modules, *args)
+        try:  # (both runtimes build ``args`` from the program's slots: one per placeholder)
+            if self.program.training or not torch.is_grad_enabled():
+                return line.fn(*args)
+            with torch.no_grad():
+                return line.fn(*args)
+        except RuntimeError as e:  # a kernel's own check (an index out of range, ...)
+            piece = _failed_piece(e, line)
+            if type(e) is not RuntimeError or piece is None:  # out of memory and the like, or
+                raise  # not a compiled piece's: the caller's to handle
+            raise self.kernel_error(self._modules[piece], tokens, e) from e
