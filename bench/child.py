@@ -3,11 +3,11 @@
     python bench/child.py CONFIG_JSON
 
 CONFIG: {"mode", "manifest", "store", "first_tokens", "steady_sizes", "steady_iters",
-"threads", "mega_save", "mega_load"}; mode is one of eager, tc-cold, tc-warm, tc-mega,
+"threads", "mega_save", "mega_load", "tc_dynamic"}; mode is one of eager, tc-cold, tc-warm, tc-mega,
 aotc-cold, aotc-warm, aotc-remote (a load that pulls through cfg['remote']), or steady-pair: aotc warm and torch.compile warm in ONE process, timed in
 alternating blocks (the order flips each round) so both see the same machine state — the
 steady-state ratio's measurement (the cache directories are set by the parent through the
-environment).
+environment); ``tc_dynamic`` false compiles torch.compile's side with static shapes.
 Prints one JSON line: wall-clock time of the first output (``first_output_at``, time.time(), for
 the parent to subtract its spawn time), phase seconds, steady-state latencies, counters, peak RSS.
 """
@@ -91,7 +91,9 @@ def main() -> None:
     elif mode == "steady-pair":
         import aotc
 
-        tc_fn = torch.compile(model, dynamic=True)
+        # like for like: the sizes aotc serves with static artifacts against torch.compile's
+        # static graphs (dynamic=False: one per size), the others dynamic against dynamic
+        tc_fn = torch.compile(model, dynamic=bool(cfg.get("tc_dynamic", True)))
         fn = aotc.load(m, model=model, store=cfg["store"])
     elif mode.startswith("tc-"):
         if mode == "tc-mega":

@@ -11,7 +11,10 @@ compile_config); dynamo-only (``backend="eager"``: Dynamo's trace and nothing el
 every backend's first call); inductor cold (empty Inductor cache dir and TMPDIR) and warm (the same dirs
 again); aotc cold (empty AOTC_STORE, Inductor dir and TMPDIR) and warm (that store, a NEW empty
 Inductor dir: aotc must not need Inductor's cache). Rounds interleave the contenders (``--runs``);
-figures are medians per contender. Writes ``results/hf_generate.json`` and ``.md``.
+figures are medians per contender. The decode ratio is measured apart, paired in ONE process
+(Inductor warm, aotc warm, aotc with no split: alternating blocks of generate() calls), since
+process-to-process decode figures here swing by more than the gap measured. Writes
+``results/hf_generate.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ CONTENDERS = ("eager", "dynamo-only", "inductor-cold", "inductor-warm", "aotc-co
 # figures without a goal: what any torch.compile backend pays before it is called (Dynamo's
 # trace: torch.compile(backend="eager")), and the user's wait from process start
 INFO = {"aotc_warm_first_over_dynamo_only_first": ("aotc-warm", "dynamo-only", "first_s"),
-        "aotc_warm_start_to_first_over_eager": ("aotc-warm", "eager", "start_to_first_s")}
+        "aotc_warm_start_to_first_over_eager": ("aotc-warm", "eager", "start_to_first_s"),
+        "aotc_decode_over_inductor_decode_processes": ("aotc-warm", "inductor-warm", "decode_tok_s")}
 # steady decode: the median of 15 generate() calls (~30 ms each here: 3 were too few on 2 noisy cores)
 BATCH, PROMPT, NEW_TOKENS, STEADY_CALLS = 2, 7, 32, 15
 GOALS = {"precompiled_warm_first_over_eager_first": ("<=", 1.2),
@@ -104,6 +108,58 @@ def child(cfg: dict[str, Any]) -> None:
                       "tokens": out[:, PROMPT:].tolist()}))
 
 
+def pair_child(cfg: dict[str, Any]) -> None:
+    """Steady decode of several backends in ONE process (the machine's state is the same for
+    all): a generate() per backend, each on its own copy of the model, then rounds that each run
+    a block of every backend in a rotating order. Prints one JSON line: per backend its median
+    generate() seconds and the median over rounds of its tokens/s over Inductor's."""
+    import torch
+    from transformers import CompileConfig, LlamaForCausalLM
+
+    torch.set_num_threads(int(cfg["threads"]))
+    ids = torch.randint(1, 1000, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+    gens = {}
+    for name, backend, options in cfg["pair"]:
+        model = LlamaForCausalLM.from_pretrained(cfg["model"]).eval()
+        cc = CompileConfig(backend=backend, **({"options": options, "mode": None} if options else {}))
+        cc._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+        kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                      cache_implementation="static", attention_mask=torch.ones_like(ids),
+                      pad_token_id=0, compile_config=cc)
+        gens[name] = (model, kwargs)
+
+    def gen(name: str) -> torch.Tensor:
+        model, kwargs = gens[name]
+        with torch.no_grad():
+            return model.generate(ids, **kwargs)
+
+    first = {name: gen(name) for name in gens}  # compiles or loads; then equal tokens or no figure
+    ref = next(iter(gens))
+    equal = {name: bool(torch.equal(first[name], first[ref])) for name in gens}
+    for _ in range(2):
+        for name in gens:
+            gen(name)
+    names = list(gens)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    speed: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(int(cfg.get("rounds", 16))):
+        med = {}
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            block = []
+            for _ in range(4):
+                t = time.perf_counter()
+                gen(name)
+                block.append(time.perf_counter() - t)
+            med[name] = statistics.median(block)
+            times[name] += block
+        for name in names:
+            speed[name].append(med[ref] / med[name])
+    print(json.dumps({name: {"generate_s": statistics.median(times[name]),
+                             "speed_over_" + ref: statistics.median(speed[name]),
+                             "speed_min": min(speed[name]), "speed_max": max(speed[name]),
+                             "tokens_equal": equal[name]} for name in names}))
+
+
 def run_child(cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     """A fresh interpreter running :func:`child`; adds ``start_to_first_s`` (from spawn)."""
     spawned = time.time()
@@ -118,6 +174,21 @@ def run_child(cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     return res
 
 
+def run_pair(cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """A fresh interpreter running :func:`pair_child`; its figures, or ``{"error": …}``."""
+    p = subprocess.run([sys.executable, "-m", "bench.hf_generate", "--child", json.dumps(cfg)],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
+    if p.returncode != 0:
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        return {"error": f"exit {p.returncode}: " + "\n".join(lines[-8:])}
+    return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+# the paired decode measurement: Inductor warm, aotc warm, and aotc with no split (one piece)
+PAIR = [("inductor", "inductor", None), ("aotc", "aotc", None),
+        ("aotc-unsplit", "aotc", {"splitting_ops": []})]
+
+
 def fresh(path: Path) -> Path:
     """``path`` emptied (``tmp`` inside it too: Inductor keeps precompiled headers in $TMPDIR)."""
     shutil.rmtree(path, ignore_errors=True)
@@ -125,8 +196,11 @@ def fresh(path: Path) -> Path:
     return path
 
 
-def bench(work: Path, runs: int, threads: int) -> dict[str, list[dict[str, Any]]]:
-    """Every contender ``runs`` times, interleaved by round; cold ones from empty dirs each round."""
+def bench(work: Path, runs: int, threads: int) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Every contender ``runs`` times, interleaved by round; cold ones from empty dirs each round.
+    Then steady decode paired in one process (:func:`pair_child`) over the last round's warm
+    Inductor dir and aotc store: the decode ratio's measurement (process to process, this
+    machine's decode figures swing more than the difference being measured)."""
     model = work / "model"
     make_model(model)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "AOTC_"))}
@@ -149,7 +223,12 @@ def bench(work: Path, runs: int, threads: int) -> dict[str, list[dict[str, Any]]
             say(f"  {name:14s} " + (res["error"].splitlines()[0] if "error" in res else
                 f"first generate {res['first_s']:6.2f}s, start->first {res['start_to_first_s']:6.2f}s, "
                 f"decode {res['decode_tok_s']:7.1f} tok/s, {res['counters']}"))
-    return raw
+    env = dict(base, TORCHINDUCTOR_CACHE_DIR=str(ind_tc), TRITON_CACHE_DIR=str(ind_tc / "triton"),
+               TMPDIR=str(ind_tc / "tmp"), AOTC_STORE=str(store))
+    pair = run_pair({"model": str(model), "threads": threads, "pair": PAIR}, env)
+    say("  decode pair " + (pair["error"].splitlines()[0] if "error" in pair else ", ".join(
+        f"{n} {v['speed_over_inductor']:.3f}x" for n, v in pair.items())))
+    return raw, pair
 
 
 def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -172,8 +251,9 @@ def summarize(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-def ratios(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The three ratios, each with its goal and met / not met (None: not measured)."""
+def ratios(s: dict[str, Any], pair: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ratios, each with its goal and met / not met (None: not measured); the decode ratios
+    from the paired measurement (``pair``)."""
     def get(name: str, key: str) -> float | None:
         return s.get(name, {}).get(key)
 
@@ -187,8 +267,7 @@ def ratios(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
               "precompiled_decode_over_aotc_decode": div(get("precompiled-warm", "decode_tok_s"),
                                                          get("aotc-warm", "decode_tok_s")),
               "aotc_warm_first_over_eager_first": div(get("aotc-warm", "first_s"), get("eager", "first_s")),
-              "aotc_decode_over_inductor_decode": div(get("aotc-warm", "decode_tok_s"),
-                                                      get("inductor-warm", "decode_tok_s")),
+              "aotc_decode_over_inductor_decode": pair.get("aotc", {}).get("speed_over_inductor"),
               "aotc_cold_first_over_inductor_cold_first": div(get("aotc-cold", "first_s"),
                                                               get("inductor-cold", "first_s"))}
     out = {}
@@ -198,6 +277,8 @@ def ratios(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out[k] = {"value": v, "goal": f"{op} {goal}", "met": met}
     for k, (a, b, field) in INFO.items():
         out[k] = {"value": div(get(a, field), get(b, field)), "goal": "–", "met": "info"}
+    out["aotc_unsplit_decode_over_inductor_decode"] = {
+        "value": pair.get("aotc-unsplit", {}).get("speed_over_inductor"), "goal": "–", "met": "info"}
     return out
 
 
@@ -229,7 +310,12 @@ def markdown(res: dict[str, Any]) -> str:
                                                            "done / eager's",
              "precompiled_decode_over_aotc_decode": "aotc precompiled decode tok/s / aotc (backend) warm decode tok/s",
              "aotc_warm_first_over_eager_first": "aotc warm first generate / eager first generate",
-             "aotc_decode_over_inductor_decode": "aotc decode tok/s / inductor (warm) decode tok/s",
+             "aotc_decode_over_inductor_decode": "aotc decode tok/s / inductor (warm) decode tok/s, paired "
+                                                 "in one process",
+             "aotc_decode_over_inductor_decode_processes": "the same, each in its own process (the table's "
+                                                           "decode column)",
+             "aotc_unsplit_decode_over_inductor_decode": "aotc with no split (splitting_ops: []) decode "
+                                                         "tok/s / inductor's, paired",
              "aotc_cold_first_over_inductor_cold_first": "aotc cold first generate / inductor cold first generate",
              "aotc_warm_first_over_dynamo_only_first": "aotc warm first generate / Dynamo's trace alone "
                                                        "(torch.compile backend=\"eager\") first generate",
@@ -252,14 +338,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(json.loads(args.child))
+        cfg = json.loads(args.child)
+        pair_child(cfg) if "pair" in cfg else child(cfg)
         return {}
     from bench.report import byte_compile_aotc
 
     byte_compile_aotc()  # as installed: aotc's bytecode written once, not per start
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="aotc-hfgen-") as tmp:
-        raw = bench(Path(tmp), args.runs, args.threads)
+        raw, pair = bench(Path(tmp), args.runs, args.threads)
     import torch
     import transformers
 
@@ -269,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
            "config": {"runs": args.runs, "threads": args.threads, "batch": BATCH, "prompt": PROMPT,
                       "new_tokens": NEW_TOKENS, "steady_calls": STEADY_CALLS},
-           "contenders": summary, "ratios": ratios(summary),
+           "contenders": summary, "ratios": ratios(summary, pair), "decode_pair": pair,
            "raw": {k: [{x: y for x, y in r.items() if x != "tokens"} for r in v] for k, v in raw.items()},
            "bench_seconds": time.perf_counter() - t0}
     out = Path(args.out)

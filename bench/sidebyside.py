@@ -134,10 +134,23 @@ class Bench:
                                                     self._fresh("replica"), remote=url,
                                                     env={"AOTC_TRUST_KEYS": self._signer()[1]}))
             if i == self.runs - 1 and self.steady_sizes and {"tc-warm", "aotc-warm"} <= set(only):
-                # the steady-state ratio: both warm, one process, alternating blocks
-                self.pair = run_child(self._cfg("steady-pair", store), self._env(ind))["pair"]
-                say("  steady-pair " + ", ".join(f"{n} tok {p['ratio']:.3f}" for n, p in self.pair.items()))
+                self.pair = self._steady_pair(store, ind)
         return {k: v for k, v in out.items() if k in only}
+
+    def _steady_pair(self, store: Path, ind: Path) -> dict[str, Any]:
+        """The steady-state ratio, like for like: both warm, one process, alternating blocks; the
+        sizes aotc has static artifacts for against torch.compile with static shapes, the others
+        against torch.compile's dynamic graph (one process each)."""
+        sizes = set(yaml.safe_load(self.manifest.read_text())["compile_sizes"])
+        pair: dict[str, Any] = {}
+        for like, want in (("static", True), ("dynamic", False)):
+            steady = [n for n in self.steady_sizes if (n in sizes) == want]
+            if steady:
+                cfg = dict(self._cfg("steady-pair", store), steady_sizes=steady, tc_dynamic=like == "dynamic")
+                got = run_child(cfg, self._env(ind))["pair"]
+                pair.update({n: dict(p, like=like) for n, p in got.items()})
+        say("  steady-pair " + ", ".join(f"{n} tok ({p['like']}) {p['ratio']:.3f}" for n, p in pair.items()))
+        return {n: pair[n] for n in sorted(pair, key=int)}
 
     def _one(self, mode: str, inductor_dir: Path, store: Path, env: dict[str, str] | None = None,
              **extra: Any) -> dict[str, Any]:

@@ -247,3 +247,63 @@ def test_a_saved_record_never_widens_trust_or_redirects_pulls(tmp_path: Path, mo
     with pytest.raises(CacheMiss) as miss:  # not a pull from the record's remote
         g.finalize_loading()
     assert "attacker" not in str(miss.value)
+
+
+def test_a_mode_asking_for_cuda_graphs_compiles_a_cpu_graph_as_inductor_does() -> None:
+    """``reduce-overhead`` on CPU: Inductor's CUDA-graph setting on (it captures nothing off
+    CUDA); on CUDA aotc captures its own and the setting stays off; no mode: untouched."""
+    from aotc.backend.config import BackendConfig
+
+    ro = BackendConfig.make(mode="reduce-overhead")
+    assert ro.graphs and "triton.cudagraphs" not in ro.inductor
+    assert ro.on_device(cuda=False).inductor["triton.cudagraphs"] is True
+    assert ro.on_device(cuda=True) is ro
+    plain = BackendConfig.make()
+    assert plain.on_device(cuda=False) is plain
+
+
+def _wrapper_sources(store: Path, key: str) -> list[str]:
+    from aotc.cache import Store
+    from aotc.records.program import PROGRAM_ROLE, Program
+    from aotc._torch.wrapper import WrapperCode
+
+    s = Store(store)
+    entry = s.get(key, record=False)
+    program = Program.from_json(s.read_blob(entry, PROGRAM_ROLE))
+    return [WrapperCode.from_json(s.read_blob(entry, a.wrapper_role)).source
+            for a in program.artifacts if a.wrapper_role]
+
+
+@pytest.mark.slow
+def test_reduce_overhead_on_cpu_runs_without_per_call_input_asserts(tmp_path: Path) -> None:
+    """A CPU graph compiled under ``mode="reduce-overhead"`` is keyed apart from the default
+    mode, runs through the fast path and gives eager's results, and its pieces no longer assert
+    each input's layout per call (as Inductor's own code in that mode), where the default mode's do."""
+    import aotc
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.a(x))
+            q = h.view(1, 2, -1, 8)
+            h = torch.nn.functional.scaled_dot_product_attention(q, q, q).view(-1, 16)
+            return self.b(h) + x
+
+    torch.manual_seed(0)
+    net, x = Net().eval(), torch.randn(5, 16)
+    keys, sources = {}, {}
+    for mode in ("default", "reduce-overhead"):
+        be = aotc.backend(store=str(tmp_path / "store"), fallback="error")
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(net, backend=be, mode=mode)(x)
+            assert torch.allclose(got, net(x), atol=1e-5)
+        keys[mode] = be.last["key"]
+        sources[mode] = _wrapper_sources(tmp_path / "store", keys[mode])
+    assert keys["default"] != keys["reduce-overhead"]
+    assert sources["default"] and sources["reduce-overhead"]
+    assert any("'input')" in s for s in sources["default"])
+    assert not any("'input')" in s for s in sources["reduce-overhead"])

@@ -44,6 +44,8 @@ def test_harness_runs_every_contender_and_writes_results(tmp_path) -> None:
     assert saved["ratios"]["aotc_loader_s"] > 0
     pair = saved["steady_pair"]  # the steady-state ratio: both warm in one process, interleaved
     assert set(pair) == {"1", "16"} and all(p["ratio"] > 0 and p["tc_ms"] > 0 for p in pair.values())
+    # like for like: the compile size (16) against torch.compile's static graph, 1 dynamic
+    assert pair["16"]["like"] == "static" and pair["1"]["like"] == "dynamic"
     assert saved["ratios"]["aotc_steady_over_tc_steady"] == {n: p["ratio"] for n, p in pair.items()}
     assert set(saved["targets"]) == set(results["targets"]) and len(saved["targets"]) == 7
     table = (out / "latest.md").read_text()

@@ -91,8 +91,8 @@ def test_graphs_of_one_model_are_keyed_and_stored_apart(corpus: dict[str, Any]) 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["cold", "warm", "inductor_loader"])
 def test_an_index_out_of_range_raises_and_the_next_call_works(corpus: dict[str, Any], run: str) -> None:
-    """A kernel's bounds check (inside an OpenMP region where Inductor parallelizes the kernel;
-    every kernel with ``cpp.dynamic_threads``, as vLLM's workers compile) reaches the caller as a ``RuntimeError``
+    """A kernel's bounds check (inside an OpenMP region where Inductor parallelizes the kernel:
+    test_backend_safety covers one that always is) reaches the caller as a ``RuntimeError``
     naming the piece and size — fast path, or Inductor's loader — and the process lives on."""
     got = corpus[run]["cases"]["oov"]
     assert got["raised"] and "index out of bounds" in got["raised"], got

@@ -130,9 +130,11 @@ class AotcBackend:
 
         t0 = time.perf_counter()
         settings = context.settings
-        if cfg.graphs and _on_cuda(example_inputs):
+        cuda = _on_cuda(example_inputs)
+        if cfg.graphs and cuda:
             _log.info("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not "
                       "captured for torch.compile graphs yet; this graph runs without them")
+        cfg = cfg.on_device(cuda)
         tiered = context.open_tiered(create=True)
         seen["store"] = tiered.local
         key, factors = backend_key(gm, example_inputs, cfg, tiered.local, settings)

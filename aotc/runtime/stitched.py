@@ -130,35 +130,26 @@ class Timings:
         return sum(self.phases.values())
 
 
-def direct_stitches(program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
-                    table: Mapping[str, Callable[..., Any]]) -> dict[int | None, StraightLine]:
-    """The program's stitch written once per size its artifacts serve (None: the dynamic ones),
+def direct_stitch(program: Program, artifacts: Mapping[str, Mapping[int | None, Artifact]],
+                  table: Mapping[str, Callable[..., Any]], size: int | None) -> StraightLine | None:
+    """The program's stitch for ``size`` tokens (None: the dynamic artifacts) as one function,
     each compiled piece bound to that size's artifact (else its dynamic one, as
-    :class:`PieceCall` picks) and each splitting piece to its graph as one function. A size a
-    piece has no artifact for, or a stitch the writer cannot write, is left out."""
-    sizes: set[int | None] = {s for p in program.pieces if p.kind == "compiled"
-                              for s in artifacts[str(p.uid)]}
-    out: dict[int | None, StraightLine] = {}
-    for size in sorted(sizes, key=lambda s: -1 if s is None else s):
-        bound: dict[str, Bound] = {}
-        for p in program.pieces:
-            call = table[p.name]
-            if p.kind != "compiled":
-                bound[p.name] = Bound(call.direct if isinstance(call, SplittingCall) else call)
-                continue
-            by_size = artifacts[str(p.uid)]
-            fn = by_size.get(size) or by_size.get(None)
-            if fn is None:
-                break
-            layouts = call.layouts if isinstance(call, PieceCall) else []
-            bound[p.name] = Bound(fn, first=not p.returns_tuple,
-                                  prepare=in_layouts if layouts else None,
-                                  prepare_args=(layouts, {}) if layouts else ())
-        else:
-            line = straight_line(program.stitch, bound)
-            if line is not None:
-                out[size] = line
-    return out
+    :class:`PieceCall` picks) and each splitting piece to its graph as one function. None when a
+    piece has no artifact for the size or the writer cannot write the stitch."""
+    bound: dict[str, Bound] = {}
+    for p in program.pieces:
+        call = table[p.name]
+        if p.kind != "compiled":
+            bound[p.name] = Bound(call.direct if isinstance(call, SplittingCall) else call)
+            continue
+        by_size = artifacts[str(p.uid)]
+        fn = by_size.get(size) or by_size.get(None)
+        if fn is None:
+            return None
+        layouts = call.layouts if isinstance(call, PieceCall) else []
+        bound[p.name] = Bound(fn, first=not p.returns_tuple, prepare=in_layouts if layouts else None,
+                              prepare_args=(layouts, {}) if layouts else ())
+    return straight_line(program.stitch, bound)
 
 
 def _failed_piece(e: BaseException, line: StraightLine) -> str | None:
@@ -208,12 +199,13 @@ class StitchedProgram:
                               p.layouts)
                 wrap = wrap_piece
             self._modules[p.name] = call if wrap is None else wrap(p.name, call)
-        # with nothing wrapped or replaced: one straight-line stitch per size, each calling that
-        # size's artifacts directly (no PieceCall, no dispatch per piece); the table above runs
-        # a size none of them serves (and names the missing artifact)
-        plain = modules is None and wrap_piece is None and wrap_splitting is None
-        self._lines: dict[int | None, StraightLine] = direct_stitches(program, artifacts, self._modules) \
-            if plain else {}
+        # with nothing wrapped or replaced: one straight-line stitch per size, written at its
+        # first call, calling that size's artifacts directly (no PieceCall, no dispatch per
+        # piece); the table above runs a size it cannot serve (and names the missing artifact)
+        self._plain = modules is None and wrap_piece is None and wrap_splitting is None
+        self._static = frozenset(s for p in program.pieces if p.kind == "compiled"
+                                 for s in artifacts.get(str(p.uid), ()) if s is not None)
+        self._lines: dict[int | None, StraightLine | None] = {}
 
     @property
     def current_tokens(self) -> int:
@@ -229,7 +221,12 @@ class StitchedProgram:
     def run_stitch(self, tokens: int, args: Sequence[Any]) -> Any:
         """The stitch over ``args`` (its placeholders' values), pieces dispatched for ``tokens``."""
         self._local.tokens = tokens
-        line = self._lines.get(tokens) or self._lines.get(None)
+        size = tokens if tokens in self._static else None
+        try:
+            line = self._lines[size]
+        except KeyError:
+            line = self._lines[size] = direct_stitch(self.program, self.artifacts, self._modules,
+                                                     size) if self._plain else None
         if line is None:
             if self.program.training:  # autograd through the pieces, as the caller's grad mode says
                 return self._stitch(self._modules, *args)
