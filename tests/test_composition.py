@@ -235,3 +235,28 @@ def test_graphs_compose_around_a_runner_of_their_own(mode: str) -> None:
     assert graphed.warmup([2]) >= 0 and "capture" in graphed.timings.phases
     with pytest.raises(LoadError, match="already captured"):
         capture(graphed, mode, [2], graph_cls=EmulatedGraph, device="cpu")  # type: ignore[arg-type]
+
+
+def test_the_plain_stitch_names_a_failed_piece_and_passes_other_errors_through() -> None:
+    """The straight-line stitch of a plain runner: each size's artifacts called directly (the
+    static one at its size), a kernel's RuntimeError named by piece and size, and an error that is
+    not a kernel's (out of memory, a RuntimeError subclass) reaching the caller as it is."""
+    from aotc.errors import RunError
+
+    calls: list[str] = []
+    program, model = _program(), _Model()
+    artifacts = _artifacts(calls)
+    plain = Runner(program, artifacts, model)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(plain(x), model(x))
+    assert calls == ["u0 at 4", "u2 dynamic"]
+    for raised, caught in ((RuntimeError("index out of bounds: 0 <= tmp2 < 300L"), RunError),
+                           (torch.OutOfMemoryError("out of memory"), torch.OutOfMemoryError)):
+        def failing(y: torch.Tensor, error: BaseException = raised) -> list[torch.Tensor]:
+            raise error
+
+        broken = Runner(program, {**artifacts, "u2": {None: failing}}, model)
+        with pytest.raises(caught) as got:
+            broken(x)
+        if caught is RunError:
+            assert "piece submod_2" in str(got.value) and "index out of bounds" in str(got.value)

@@ -39,7 +39,7 @@ def inductor_factors(patches: dict[str, Any], values: dict[str, Any], device: st
     of a denied setting only enters ``patches``; a patch value with no canonical form makes the
     key a ``TypeError``."""
     applied = {**values, **{k: v for k, v in patches.items() if k in values}}
-    factors = {"patches": patches, "values": applied, "env": codegen_env()}
+    factors: dict[str, Any] = {"patches": patches, "values": applied, "env": codegen_env()}
     if str(device).split(":", 1)[0] == "cpu" and not applied.get("cpp.dynamic_threads") \
             and int(applied.get("cpp.threads") or -1) < 1:
         import torch  # here: the store's commands import this module and never torch

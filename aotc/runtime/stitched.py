@@ -238,7 +238,7 @@ class StitchedProgram:
             with torch.no_grad():
                 return line.fn(*args)
         except RuntimeError as e:  # a kernel's own check (an index out of range, ...)
-            piece = _failed_piece(e, line)
-            if type(e) is not RuntimeError or piece is None:  # out of memory and the like, or
-                raise  # not a compiled piece's: the caller's to handle
-            raise self.kernel_error(self._modules[piece], tokens, e) from e
+            call = self._modules.get(_failed_piece(e, line) or "")
+            if type(e) is not RuntimeError or not isinstance(call, PieceCall):  # out of memory and
+                raise  # the like, or not a compiled piece's (attention's): the caller's to handle
+            raise self.kernel_error(call, tokens, e) from e
