@@ -307,3 +307,17 @@ def test_reduce_overhead_on_cpu_runs_without_per_call_input_asserts(tmp_path: Pa
     assert sources["default"] and sources["reduce-overhead"]
     assert any("'input')" in s for s in sources["default"])
     assert not any("'input')" in s for s in sources["reduce-overhead"])
+
+
+def test_dynamic_threads_set_in_the_environment_after_import_is_a_patch() -> None:
+    """vLLM's CPU platform sets TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1 in its engine process after
+    Inductor read its config: the backend takes it as a patch at each call (the engine's process
+    and its spawned workers then compile under one key); a given patch wins; unset, nothing."""
+    from aotc.backend.config import BackendConfig
+
+    plain = BackendConfig.make()
+    assert plain.with_env({}) is plain
+    assert plain.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}).inductor == {"cpp.dynamic_threads": True}
+    assert plain.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "0"}).inductor == {"cpp.dynamic_threads": False}
+    given = BackendConfig.make(inductor={"cpp.dynamic_threads": False})
+    assert given.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}) is given

@@ -5,14 +5,14 @@ the settings (``AOTC_STORE``, ``AOTC_REMOTE``, ``AOTC_TRUST_KEYS``, ``AOTC_SPLIT
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aotc.errors import BackendError
 from aotc.settings import Settings
 
-__all__ = ["DEFAULT_INDUCTOR", "DEFAULT_SPLITTING_OPS", "FALLBACKS", "BackendConfig", "fallback_policy",
+__all__ = ["DEFAULT_INDUCTOR", "DEFAULT_SPLITTING_OPS", "FALLBACKS", "LATE_ENV", "BackendConfig", "fallback_policy",
            "mode_patches"]
 
 # vLLM 0.32's graph calls both of its ops per layer (KV cache write, then attention into an
@@ -26,6 +26,10 @@ DEFAULT_SPLITTING_OPS = (
     "aotc::attention",
 )
 
+
+# Inductor settings read from the environment at each backend call (BackendConfig.with_env),
+# parsed as Inductor parses them ("1": on), besides Inductor's own read at its import
+LATE_ENV = {"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "cpp.dynamic_threads"}
 
 # Inductor patches the backend compiles with unless given others: none, Inductor's own defaults.
 # CPU kernels are then written for the process's thread count, which is in the key
@@ -144,6 +148,17 @@ class BackendConfig:
                    atol=atol, rtol=rtol, tolerance_set=tolerance is not None,
                    inductor={**patches, **(DEFAULT_INDUCTOR if inductor is None else inductor)},
                    name=name or "torch.compile", mode=mode, graphs=graphs, fallback=fallback)
+
+    def with_env(self, environ: Mapping[str, str]) -> BackendConfig:
+        """This config with the Inductor settings a server set through the environment after
+        Inductor read it (:data:`LATE_ENV`) as patches, unless a patch of the setting is given:
+        vLLM's CPU platform sets ``TORCHINDUCTOR_CPP_DYNAMIC_THREADS=1`` in its engine process,
+        after torch is imported, for the workers it spawns — so the engine's own process (one
+        process layout) and its workers compile the same kernels, kernels that read the thread
+        count at run time as vLLM's thread-bound workers need, under one key."""
+        late = {name: environ[var] == "1" for var, name in LATE_ENV.items()
+                if var in environ and name not in self.inductor}
+        return replace(self, inductor={**self.inductor, **late}) if late else self
 
     def on_device(self, cuda: bool) -> BackendConfig:
         """This config for a graph on CUDA (``cuda``) or not. A mode that asks for CUDA graphs

@@ -18,6 +18,7 @@ per graph, one WARNING line per fallback or failed push.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ class AotcBackend:
         from aotc.log import configure
         from aotc.settings import Settings
 
-        cfg = call_config(self.config, kwargs)
+        cfg = call_config(self.config, kwargs).with_env(os.environ)  # an entry point: read here
         try:  # this entry point's context: the environment, read once
             context = Context.from_env(store=cfg.store, remote=cfg.remote, trust=cfg.trust)
         except AotcError as e:  # a bad AOTC_* value (a trusted key, a number): one line, not a dead caller
