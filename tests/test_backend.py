@@ -250,16 +250,17 @@ def test_a_saved_record_never_widens_trust_or_redirects_pulls(tmp_path: Path, mo
 
 
 def test_a_mode_asking_for_cuda_graphs_compiles_a_cpu_graph_as_inductor_does() -> None:
-    """``reduce-overhead`` on CPU: Inductor's CUDA-graph setting on (it captures nothing off
-    CUDA); on CUDA aotc captures its own and the setting stays off; no mode: untouched."""
+    """``reduce-overhead`` on CPU, static shapes: Inductor's CUDA-graph setting on (it captures
+    nothing off CUDA); dynamic shapes, CUDA (aotc captures its own) or no mode: untouched."""
     from aotc.backend.config import BackendConfig
 
     ro = BackendConfig.make(mode="reduce-overhead")
     assert ro.graphs and "triton.cudagraphs" not in ro.inductor
-    assert ro.on_device(cuda=False).inductor["triton.cudagraphs"] is True
-    assert ro.on_device(cuda=True) is ro
+    assert ro.on_device("cpu", static=True).inductor["triton.cudagraphs"] is True
+    assert ro.on_device("cpu", static=False) is ro  # Dynamo guards no stride of a dynamic input
+    assert ro.on_device("cuda:0", static=True) is ro
     plain = BackendConfig.make()
-    assert plain.on_device(cuda=False) is plain
+    assert plain.on_device("cpu", static=True) is plain
 
 
 def _wrapper_sources(store: Path, key: str) -> list[str]:

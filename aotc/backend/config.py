@@ -160,15 +160,17 @@ class BackendConfig:
                 if var in environ and name not in self.inductor}
         return replace(self, inductor={**self.inductor, **late}) if late else self
 
-    def on_device(self, cuda: bool) -> BackendConfig:
-        """This config for a graph on CUDA (``cuda``) or not. A mode that asks for CUDA graphs
-        (``reduce-overhead``) compiles a CPU graph as Inductor does in that mode, with
-        ``triton.cudagraphs`` on: nothing is captured off CUDA, and the generated wrapper leaves
-        its inputs' layouts to Dynamo's guards (aotc's runtime keeps the layouts between pieces,
+    def on_device(self, device: str, static: bool) -> BackendConfig:
+        """This config for a graph on ``device`` whose inputs all have ``static`` shapes. A mode
+        that asks for CUDA graphs (``reduce-overhead``) compiles a static CPU graph as Inductor
+        does in that mode, with ``triton.cudagraphs`` on: nothing is captured on CPU, and the
+        generated wrapper leaves its inputs' layouts to Dynamo's guards (every size and stride
+        of a static graph's inputs; aotc's runtime keeps the layouts between pieces,
         :func:`aotc.runtime.stitched.in_layouts`) instead of asserting each one per call — 2 %
-        of a decode step of transformers' ``generate()`` here. On CUDA aotc captures its own
+        of a decode step of transformers' ``generate()`` here. A graph of dynamic shape keeps
+        the asserts: Dynamo guards no stride of a dynamic input. On CUDA aotc captures its own
         graphs, piecewise, and the mode's setting stays off."""
-        if not self.graphs or cuda or "triton.cudagraphs" in self.inductor:
+        if not self.graphs or device != "cpu" or not static or "triton.cudagraphs" in self.inductor:
             return self
         return replace(self, inductor={**self.inductor, "triton.cudagraphs": True})
 

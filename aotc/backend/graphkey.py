@@ -35,7 +35,7 @@ from aotc._torch.ops import op_name, op_schema, stable_name
 from aotc._torch.subclass import is_subclass
 from aotc.errors import BackendError
 
-__all__ = ["global_state", "graph_device", "graph_factors", "graph_signature"]
+__all__ = ["global_state", "graph_device", "graph_factors", "graph_signature", "static_graph"]
 
 _BUILTIN_NAMESPACES = {"aten", "prims", "higher_order", "_c10d_functional", "c10d_functional"}
 
@@ -346,6 +346,21 @@ def global_state() -> dict[str, Any]:
         except (TypeError, RuntimeError, AttributeError):  # an older torch: one global flag
             state[f"autocast_{dev}"] = None
     return state
+
+
+def static_graph(gm: torch.fx.GraphModule) -> bool:
+    """Whether no input of ``gm`` has a symbolic size or stride (a float input may be symbolic):
+    Dynamo's guards then fix every input's layout."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(val, torch.SymInt):
+            return False
+        if isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt)
+                                                 for s in (*val.shape, *val.stride())):
+            return False
+    return True
 
 
 def graph_device(example_inputs: Sequence[Any]) -> str:

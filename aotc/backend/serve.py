@@ -34,9 +34,10 @@ __all__ = ["DEFAULT_SPLITTING_OPS", "AotcBackend", "aotc_backend", "backend", "b
 
 def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | None = None,
                 store: Any = None, settings: Any = None) -> tuple[str, dict[str, Any]]:
-    """``(key, factors)`` of a graph as the backend would store it (``store``: where the
-    toolchain memo lives; ``settings``: the entry point's, for the splitting ops and compile
-    sizes the environment names — default: read now, for callers that are entry points)."""
+    """``(key, factors)`` of a graph as the backend would store it under ``config`` as a call
+    applies it (:meth:`BackendConfig.with_env`, :meth:`BackendConfig.on_device`; ``store``:
+    where the toolchain memo lives; ``settings``: the entry point's, for the splitting ops and
+    compile sizes the environment names — default: read now, for callers that are entry points)."""
     from aotc._torch import inductor_facts
     from aotc.backend.graphkey import graph_device, graph_factors
     from aotc.lookup.compile_logic import compile_logic_hash
@@ -127,15 +128,15 @@ class AotcBackend:
                context: Any, seen: dict[str, Any]) -> Any:
         """The stored program of this graph: local, pulled, or built here (the tiered store's
         one fleet journey, :meth:`aotc.fleet.tiered.TieredStore.get_or_build`)."""
+        from aotc.backend.graphkey import graph_device, static_graph
         from aotc.fleet.tiered import Wanted
 
         t0 = time.perf_counter()
         settings = context.settings
-        cuda = _on_cuda(example_inputs)
-        if cfg.graphs and cuda:
+        if cfg.graphs and _on_cuda(example_inputs):
             _log.info("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not "
                       "captured for torch.compile graphs yet; this graph runs without them")
-        cfg = cfg.on_device(cuda)
+        cfg = cfg.on_device(graph_device(example_inputs), static_graph(gm))
         tiered = context.open_tiered(create=True)
         seen["store"] = tiered.local
         key, factors = backend_key(gm, example_inputs, cfg, tiered.local, settings)
