@@ -512,3 +512,24 @@ def test_header_built_in_the_background_is_the_one_the_kernels_use(tmp_path: Pat
     assert out.returncode == 0, out.stderr[-2000:]
     first, after = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(first) == 1 and after == first
+
+
+def test_identical_layers_are_keyed_by_inductor_once(tmp_path: Path, monkeypatch) -> None:
+    """Inductor's key of a piece is an AOTAutograd trace: the split computes it once per
+    structure (4 layers: first, middle, last), and each piece's own key agrees with the one it
+    was given."""
+    from aotc._torch import inductor_compile
+    from aotc.compile import pieces
+    from aotc.manifest import load_manifest
+    from tests.conftest import toy_manifest
+
+    calls: list[int] = []
+    real = inductor_compile.piece_cache_key
+    monkeypatch.setattr(inductor_compile, "piece_cache_key",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    traced = pieces.trace_and_split(load_manifest(toy_manifest(tmp_path, 4)))
+    assert len(traced.uid_of) == 5 and len(traced.first_of) == 3
+    assert len(calls) == 3
+    for p in traced.parts.pieces:
+        if not p.is_splitting:
+            assert pieces.piece_uid(p, {}) == traced.uid_of[p.name]

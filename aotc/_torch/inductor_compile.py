@@ -38,7 +38,7 @@ from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
 
 __all__ = ["PendingPiece", "build_kernels", "compile_piece", "finish_piece", "mark_training",
-           "piece_cache_key", "start_piece", "static_example_inputs"]
+           "piece_cache_key", "start_piece", "static_example_inputs", "structural_key"]
 
 _CHECK_TOKENS = 3  # token count the dynamic artifact's fast path is checked at
 _TRAINING = "aotc_training"  # a piece's graph meta: compile it with autograd (forward + backward)
@@ -117,7 +117,7 @@ def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: 
     for v in example_inputs:
         if isinstance(v, torch.Tensor):
             lines.append(f"T {v.dtype} {v.device.type} {[canon(d) for d in v.shape]} "
-                         f"{[canon(d) for d in v.stride()]}")
+                         f"{[canon(d) for d in v.stride()]} {v.requires_grad}")
         else:
             lines.append(f"V {type(v).__name__} {canon(v)}")
     for i, n in enumerate(gm.graph.nodes):
@@ -132,6 +132,14 @@ def _fallback_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], tag: 
         if n.op == "get_attr":  # a subgraph (a cond's branch) or a constant: its content counts
             lines.append(_attr_text(gm, str(n.target)))
     return "aotc-" + hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def structural_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """A cheap key of a piece's structure and inputs' metadata (no AOTAutograd trace): pieces of
+    one split with equal structural keys compile alike, so their :func:`piece_cache_key` is
+    computed once (the layers of a transformer)."""
+    tag = "structure:training" if gm.meta.get(_TRAINING) else "structure"
+    return _fallback_key(gm, example_inputs, tag)
 
 
 def _attr_text(gm: torch.fx.GraphModule, target: str) -> str:

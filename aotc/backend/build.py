@@ -30,7 +30,7 @@ import torch.fx
 from aotc._torch import dynamo, inductor_compile, isa_probes
 from aotc._torch.ops import mutated_args
 from aotc.compile.core import Job, build
-from aotc.compile.pieces import piece_records, piece_uid
+from aotc.compile.pieces import piece_records, unique_pieces
 from aotc.compile.split import SplitResult, split
 from aotc.errors import NumericMismatchError
 from aotc.log import logger
@@ -360,12 +360,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
         for p in parts.pieces:
             if not p.is_splitting:
                 inductor_compile.mark_training(p.gm)
-    uid_of: dict[str, str] = {}
-    first_of: dict[str, Any] = {}
-    for p in parts.pieces:
-        if not p.is_splitting:
-            uid_of[p.name] = uid = piece_uid(p, options)
-            first_of.setdefault(uid, p)
+    uid_of, first_of = unique_pieces(parts.pieces, options)
     slots = graph_slots(gm, example_inputs)
     dynamic = any(s.kind == "symbol" or s.dim is not None for s in slots)
     warnings = list(parts.warnings)

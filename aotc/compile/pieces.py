@@ -49,6 +49,25 @@ def piece_uid(piece: Piece, options: dict[str, Any]) -> str:
     return "x" + uid[1:] if full.startswith("aotc-") else uid
 
 
+def unique_pieces(pieces: Any, options: dict[str, Any]) -> tuple[dict[str, str], dict[str, Piece]]:
+    """``(uid of each compiled piece by name, first piece of each uid in order)``. Inductor's
+    key (an AOTAutograd trace of the piece) is computed once per structure: a transformer's
+    middle layers are one structure, so 8 layers cost 3 traces, not 9."""
+    uid_of: dict[str, str] = {}
+    first_of: dict[str, Piece] = {}
+    by_structure: dict[str, str] = {}
+    for p in pieces:
+        if p.is_splitting:
+            continue
+        shape = inductor_compile.structural_key(p.gm, list(p.example_inputs))
+        uid = by_structure.get(shape)
+        if uid is None:
+            uid = by_structure[shape] = piece_uid(p, options)
+        uid_of[p.name] = uid
+        first_of.setdefault(uid, p)
+    return uid_of, first_of
+
+
 def trace_and_split(manifest: Manifest, progress: Progress | None = None,
                     seconds: dict[str, float] | None = None) -> Traced:
     """Build, capture once (token dim dynamic), split at the splitting ops, dedup the pieces."""
@@ -70,13 +89,7 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     t = time.perf_counter()
     parts = split(captured.gm, list(manifest.splitting_ops))
     _check_splitting_ops(manifest, captured.gm, len(parts.pieces))
-    uid_of: dict[str, str] = {}
-    first_of: dict[str, Piece] = {}
-    for p in parts.pieces:
-        if not p.is_splitting:
-            uid = piece_uid(p, dict(manifest.inductor))
-            uid_of[p.name] = uid
-            first_of.setdefault(uid, p)
+    uid_of, first_of = unique_pieces(parts.pieces, dict(manifest.inductor))
     seconds["split"] = time.perf_counter() - t
     progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
     for w in parts.warnings:
