@@ -35,7 +35,7 @@ LATE_ENV = {"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "cpp.dynamic_threads"}
 # CPU kernels are then written for the process's thread count, which is in the key
 # (aotc.lookup.resolve.inductor_factors); kernels that read it at run time
 # (``cpp.dynamic_threads``, which vLLM's CPU platform sets for its workers) cost a decode step
-# of transformers' generate() 3 % here (bench/decode_pair.py).
+# of transformers' generate() 3 % here (bench/hf_generate.py's decode, paired in one process).
 DEFAULT_INDUCTOR: dict[str, Any] = {}
 
 
