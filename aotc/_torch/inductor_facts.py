@@ -13,6 +13,7 @@ missing are feature-checked (``save_config_portable``'s ``ignore_private_configs
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import inspect
@@ -21,11 +22,12 @@ import math
 import os
 import platform
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from aotc._torch.scoped_env import process_scope
 from aotc.counters import COUNTERS as _ours
 
 # Config aotc compiles, keys and loads with. Precompiled headers ON: a C++ kernel builds in about
@@ -66,13 +68,16 @@ def _known(config: Any, name: str) -> bool:
     return True
 
 
-def _config_patch(options: dict[str, Any]) -> Any:
+@contextlib.contextmanager
+def _config_patch(options: dict[str, Any]) -> Iterator[None]:
     """``torch._inductor.config.patch`` of aotc's fixed config, then ``options`` (the
-    manifest's patches win)."""
+    manifest's patches win), for the block; the config is the process's, so the block holds
+    :func:`~aotc._torch.scoped_env.process_scope` (another thread's patch waits)."""
     from torch._inductor import config
 
     fixed = {k: v for k, v in _FIXED_CONFIG.items() if _known(config, k)}
-    return config.patch({**fixed, **options})
+    with process_scope(), config.patch({**fixed, **options}):
+        yield
 
 
 def _first_line(cmd: Sequence[str]) -> str | None:

@@ -17,7 +17,7 @@ import torch
 
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.kernel_checks import guarded_kernel_sources
-from aotc._torch.scoped_env import scoped_env
+from aotc._torch.scoped_env import process_scope, scoped_env
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import LoadError
 
@@ -104,11 +104,12 @@ def in_process_isa_probes() -> Iterator[None]:
             return False
         return True
 
-    VecISA._probe_load = probe  # type: ignore[method-assign]  # patched for the block, put back after it
-    try:
-        yield
-    finally:
-        VecISA._probe_load = original  # type: ignore[method-assign]  # patched for the block, put back after it
+    with process_scope():  # the class is the process's: one thread's block at a time
+        VecISA._probe_load = probe  # type: ignore[method-assign]  # patched for the block, put back after it
+        try:
+            yield
+        finally:
+            VecISA._probe_load = original  # type: ignore[method-assign]  # patched for the block, put back after it
 
 
 # where a load's kernel builds would find the precompiled header: nowhere (see _no_header_builds)

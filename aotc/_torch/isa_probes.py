@@ -6,6 +6,8 @@ machine and toolchain and seeded into every compile's cache dir: part of the fen
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -17,8 +19,9 @@ from typing import Any
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
 from aotc._torch.inductor_load import kernel_files as _kernel_files
+from aotc._torch.scoped_env import process_scope
 
-__all__ = ["isa_probe_files", "keep_isa_probes", "machine_isa_probe_dir",
+__all__ = ["isa_probe_files", "keep_isa_probes", "machine_isa_probe_dir", "predicted_isa",
            "seed_isa_probes"]
 
 _probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see isa_probe_files)
@@ -43,19 +46,44 @@ def _isa_memos() -> list[Any] | None:
     return memos if len(memos) >= 3 else None
 
 
+def _probed_flags() -> list[tuple[Any, str]]:
+    """(ISA instance, attribute) of each outcome a probe records on Inductor's ISA instances
+    (torch 2.11–2.13: ``_is_avx512_bf16_supported``, ``_is_amx_fp16_supported``, set on success
+    and never reset). Such a flag enters the next probe's command (``build_arch_flags``), hence
+    its library's name: a process that probed once names its probes apart from a fresh one."""
+    from torch._inductor import cpu_vec_isa as m
+
+    out = []
+    for isa in getattr(m, "supported_vec_isa_list", []):
+        fields = {f.name for f in dataclasses.fields(isa)} if dataclasses.is_dataclass(isa) else set()
+        out += [(isa, name) for name in vars(isa)
+                if name.startswith("_is_") and name.endswith("_supported") and name not in fields]
+    return out
+
+
+def _reset_isa_state(memos: list[Any]) -> None:
+    """Put Inductor's ISA detection back as a fresh process has it: memos cleared, the probes'
+    recorded outcomes removed (:func:`_probed_flags`), so the next probe, ours or a compile's,
+    names its libraries as a fresh process does and finds the ones kept."""
+    for f in memos:
+        f.cache_clear()
+    for isa, name in _probed_flags():
+        delattr(isa, name)  # the class's default (False) shows through again
+
+
 def _probe_here(root: Path) -> bool:
     """Run Inductor's ISA-extension probes in this process with ``root`` as the cache dir: its
-    memos cleared before (so the probes run even if this process probed already) and after (so
-    a later ``torch.compile`` of the caller's own probes as it would have), without the start of a child
-    interpreter. False when it cannot (another torch layout)."""
+    ISA state reset before (so the probes run, and are named, as in a fresh process even if this
+    one probed already) and after (so a compile, or a later ``torch.compile`` of the caller's
+    own, probes as a fresh process would and finds these libraries), without the start of a
+    child interpreter. False when it cannot (another torch layout)."""
     memos = _isa_memos()
     if memos is None:
         return False
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     def clear() -> None:
-        for f in memos:
-            f.cache_clear()
+        _reset_isa_state(memos)
 
     clear()
     try:
@@ -64,6 +92,36 @@ def _probe_here(root: Path) -> bool:
     finally:
         clear()
     return True
+
+
+def predicted_isa() -> Any | None:
+    """The vector ISA Inductor's ``pick_vec_isa`` will name once the probes ran, predicted without
+    compiling anything: each probe taken to pass where the CPU reports the extension (a probe
+    fails only where the compiler cannot build the extension's intrinsics, an old g++), under
+    the config compiles use. A copy (so later probes, which change Inductor's instances, leave
+    it as it is); the ISA state is reset after (a real probe names its libraries as a fresh
+    process). None on another torch layout. Lets the precompiled header, whose command names
+    the ISA, start before the probes end (``header_build``)."""
+    memos = _isa_memos()
+    if memos is None:
+        return None
+    from torch._inductor.cpu_vec_isa import VecISA, pick_vec_isa
+
+    original = getattr(VecISA, "check_build", None)
+    if original is None:
+        return None
+
+    def cpu_says_so(self: Any, code: str) -> bool:
+        return True  # each caller asked the CPU (torch.cpu._is_*_supported) before building
+
+    with process_scope(), _config_patch({}):
+        _reset_isa_state(memos)
+        VecISA.check_build = cpu_says_so  # type: ignore[method-assign]  # patched for the block, put back after it
+        try:
+            return copy.copy(pick_vec_isa())
+        finally:
+            VecISA.check_build = original  # type: ignore[method-assign]  # patched for the block, put back after it
+            _reset_isa_state(memos)
 
 
 def _probe_in_child(root: Path) -> None:
@@ -83,7 +141,13 @@ def isa_probe_files() -> dict[str, Path]:
     here once per machine and toolchain (:func:`keep_isa_probes`; else once per process), with
     Inductor's memo cleared around the probe, and seeded into every compile's cache dir (hence
     shipped with every piece, so a load never compiles them). Empty if the probe cannot run.
+    A caller in another thread while one probes waits for that probe's files.
     """
+    with process_scope():  # one probe per process, also when a background thread runs it
+        return _isa_probe_files()
+
+
+def _isa_probe_files() -> dict[str, Path]:
     kept: Path | None = _probe.get("keep")
     files = _probe.get("files")
     if files is not None and (_probe.get("files_for") != kept or not all(p.is_file() for p in files.values())):

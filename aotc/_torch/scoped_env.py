@@ -1,6 +1,10 @@
 """The one place aotc changes the process environment that torch reads (Inductor's and Triton's
 cache dirs, the tensor-data-pointer hook kernel libraries read when imported): set for a block,
-restored after, so nothing leaks into the rest of the process. Tested on torch 2.11–2.13."""
+restored after, so nothing leaks into the rest of the process. Its lock (:func:`process_scope`)
+is also held by every block that patches Inductor's process-wide config or classes, so a
+background thread (the ISA probes and header build of ``header_build``) and the compiling
+thread never interleave such blocks (each restores what it saved: interleaved, one would undo
+the other's). Tested on torch 2.11–2.13."""
 
 from __future__ import annotations
 
@@ -10,6 +14,15 @@ import threading
 from collections.abc import Iterator
 
 _lock = threading.RLock()  # one scope at a time: the environment is the process's
+
+
+@contextlib.contextmanager
+def process_scope() -> Iterator[None]:
+    """Hold the lock of torch's process-wide state for the block (re-entrant in one thread):
+    whoever changes that state for a block (environment, Inductor's config, a patched torch
+    class) holds it, so two threads' blocks run one after the other."""
+    with _lock:
+        yield
 
 
 def _apply(values: dict[str, str | None]) -> None:

@@ -157,8 +157,11 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
     """Trace and split, then the compile core (a miss of ``compile_manifest``)."""
     store = tiered.local
     # the kernels' precompiled header (one long g++ run on a cold machine) builds while this
-    # process traces — only in a process that compiles (not in a replica waiting on a lease)
-    header_build.start_header_build(dict(manifest.inductor), isa_probes.isa_probe_files())
+    # process traces, after the ISA probes (short g++ runs, kept per machine: its phase is ~0 on a
+    # warm one) — only in a process that compiles (not in a replica waiting on a lease)
+    t = time.perf_counter()
+    header_build.start_header_build(dict(manifest.inductor))
+    seconds["isa_probes"] = time.perf_counter() - t
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts = traced.model, traced.captured, traced.parts
     shapes: list[int | None] = [None, *manifest.compile_sizes]
