@@ -116,3 +116,14 @@ def test_probed_flags_are_the_instance_outcomes_only(flag: str) -> None:
     assert isa_probes._probed_flags() == [(isa, flag)]
     isa_probes._reset_isa_state([])
     assert isa_probes._probed_flags() == [] and getattr(isa, flag) is False  # the class default
+
+
+def test_no_cpu_header_for_another_device_or_own_options(monkeypatch) -> None:
+    """The CPU kernels' header is for CPU compiles with Inductor's config as aotc sets it: a CUDA
+    compile, or options of the caller's own (they may change the kernels' command), start none;
+    the probes still run (every compile seeds them)."""
+    started: list[str] = []
+    monkeypatch.setattr(header_build, "_start", lambda made: started.append(made[2]))
+    assert header_build.start_header_build({}, "cuda:0") is None
+    assert header_build.start_header_build({"cpp.simdlen": 8}, "cpu") is None
+    assert started == [] and isa_probes.isa_probe_files() is not None

@@ -80,7 +80,7 @@ def _start(made: tuple[Any, str, str, dict[str, Any]]) -> threading.Thread:
     return thread
 
 
-def start_header_build(options: dict[str, Any]) -> threading.Thread | None:
+def start_header_build(options: dict[str, Any], device: str = "cpu") -> threading.Thread | None:
     """Make the vector-ISA probe libraries (:func:`~aotc._torch.isa_probes.isa_probe_files`, a few
     short g++ runs) and start Inductor's precompiled header for CPU kernels in a background
     thread (see the module doc): the two things the first C++ kernel of a cold machine waits
@@ -89,8 +89,8 @@ def start_header_build(options: dict[str, Any]) -> threading.Thread | None:
     beside the probes; if the probes name another (a compiler that cannot build an extension),
     a second build starts with theirs — the first was only wasted work, the header's name hashes
     its command. Returns the header's thread, or None when no header build starts (``options``
-    of the manifest's own, another torch, headers off)."""
-    if options:
+    of the manifest's own, a ``device`` other than the CPU, another torch, headers off)."""
+    if options or not device.startswith("cpu"):
         isa_probe_files()
         return None
     thread = guess = None

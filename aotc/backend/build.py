@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from aotc._torch import dynamo, inductor_compile, isa_probes
+from aotc._torch import dynamo, header_build, inductor_compile, isa_probes
 from aotc._torch.ops import mutated_args
 from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, unique_pieces
@@ -353,6 +353,8 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     t = time.perf_counter()
     device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
     isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(device)))
+    # the ISA probes, then the kernels' precompiled header in the background (cold machine)
+    header_build.start_header_build(dict(options), device)
     parts = _with_real_inputs(split(gm, list(ops)), example_inputs)
     options = {**options, **_keyed_functions(gm, options, key)}
     training = is_training(example_inputs)

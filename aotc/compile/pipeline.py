@@ -160,7 +160,7 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
     # process traces, after the ISA probes (short g++ runs, kept per machine: its phase is ~0 on a
     # warm one) — only in a process that compiles (not in a replica waiting on a lease)
     t = time.perf_counter()
-    header_build.start_header_build(dict(manifest.inductor))
+    header_build.start_header_build(dict(manifest.inductor), manifest.device)
     seconds["isa_probes"] = time.perf_counter() - t
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts = traced.model, traced.captured, traced.parts
