@@ -127,3 +127,16 @@ def test_no_cpu_header_for_another_device_or_own_options(monkeypatch) -> None:
     assert header_build.start_header_build({}, "cuda:0") is None
     assert header_build.start_header_build({"cpp.simdlen": 8}, "cpu") is None
     assert started == [] and isa_probes.isa_probe_files() is not None
+
+
+def test_one_header_build_per_command_in_a_process(monkeypatch) -> None:
+    """Every graph a server's backend compiles asks for the header: the first call starts its
+    build, a later one (same command) starts none and hands back the first's thread."""
+    built: list[str] = []
+    monkeypatch.setattr(header_build, "_started", {})
+    monkeypatch.setattr(header_build, "_run", lambda build, header, cmd_line, command: built.append(cmd_line))
+    first = header_build.start_header_build({})
+    second = header_build.start_header_build({})
+    assert first is not None and second is first
+    first.join(10)
+    assert len(built) == 1

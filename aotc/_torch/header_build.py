@@ -74,8 +74,14 @@ def _command_for(vec_isa: Any, probes: dict[str, Path]) -> tuple[Any, str, str, 
             return _header_command(vec_isa)
 
 
+# the header builds this process started, by command line: one per command (a server's every
+# graph miss asks; a second would only preprocess the header again to find it built)
+_started: dict[str, threading.Thread] = {}
+
+
 def _start(made: tuple[Any, str, str, dict[str, Any]]) -> threading.Thread:
     thread = threading.Thread(target=_run, args=made, name="aotc-header-build", daemon=True)
+    _started[made[2]] = thread
     thread.start()
     return thread
 
@@ -88,7 +94,8 @@ def start_header_build(options: dict[str, Any], device: str = "cpu") -> threadin
     predicted from the CPU's flags (:func:`~aotc._torch.isa_probes.predicted_isa`) and builds
     beside the probes; if the probes name another (a compiler that cannot build an extension),
     a second build starts with theirs — the first was only wasted work, the header's name hashes
-    its command. Returns the header's thread, or None when no header build starts (``options``
+    its command. One build per command in a process (a later call returns the first's thread).
+    Returns the header's thread, or None when no header build starts (``options``
     of the manifest's own, a ``device`` other than the CPU, another torch, headers off)."""
     if options or not device.startswith("cpu"):
         isa_probe_files()
@@ -100,7 +107,7 @@ def start_header_build(options: dict[str, Any], device: str = "cpu") -> threadin
     except Exception:  # noqa: BLE001 - another torch's internals: the header after the probes
         guess = None
     if guess is not None:
-        thread = _start(guess)
+        thread = _started.get(guess[2]) or _start(guess)
     probes = isa_probe_files()
     try:
         made = _command_for(None, probes)
@@ -108,4 +115,4 @@ def start_header_build(options: dict[str, Any], device: str = "cpu") -> threadin
         return thread
     if made is None or (guess is not None and made[2] == guess[2]):
         return thread
-    return _start(made)
+    return _started.get(made[2]) or _start(made)
