@@ -70,6 +70,7 @@ def test_a_wrong_prediction_starts_the_header_again_with_the_probed_isa(monkeypa
         def join(self) -> None:
             pass
 
+    monkeypatch.setattr(header_build, "_started", {})  # as a process that started none yet
     monkeypatch.setattr(header_build, "_start", lambda made: started.append(made[2]) or Started())
     assert header_build.start_header_build({}) is not None
     assert len(started) == 1
