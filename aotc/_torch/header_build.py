@@ -15,8 +15,8 @@ kernels' own builds wait for it on Inductor's lock, and skip it when it exists
 The header's name hashes the kernels' build command, so the command is made here exactly as
 ``CppCodeCache.load_async`` makes it for a CPU kernel (``AsyncCompile.cpp_pybinding``: no extra
 flags, the vector ISA of this machine, not minimally optimized). Only with no Inductor options
-of the manifest's own: they may change that command. Best effort: if anything differs, the kernels build the
-header as before.
+of the manifest's own: they may change that command. Best effort: if anything differs, the
+kernels build the header as before.
 """
 
 from __future__ import annotations
