@@ -29,6 +29,7 @@ import torch.fx
 
 from aotc._torch import dynamo, header_build, inductor_compile, isa_probes
 from aotc._torch.ops import mutated_args
+from aotc.backend.graphkey import graph_device
 from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, unique_pieces
 from aotc.compile.split import SplitResult, split
@@ -351,7 +352,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     ``signer``: signs the put in its transaction (:func:`aotc.compile.core.build`)."""
     seconds: dict[str, float] = {}
     t = time.perf_counter()
-    device = str(next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), "cpu"))
+    device = graph_device(example_inputs)
     isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(device)))
     # the ISA probes, then the kernels' precompiled header in the background (cold machine)
     header_build.start_header_build(dict(options), device)
