@@ -22,6 +22,7 @@ nothing else in aotc reads an ``AOTC_*`` variable (a layout test holds it).
 | ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
 | ``AOTC_VLLM_RECORDS`` | ``vllm_records`` | ``0``: aotc's vLLM plugin leaves vLLM's AOT cache alone (no shipped record is brought in, none vLLM saves is stored; :mod:`aotc.vllm.plugin`) |
+| ``AOTC_MERGE`` | ``merge`` | ``0``: the backend compiles no merged program of a split CPU graph and serves none (:mod:`aotc.backend.merged`; default on) |
 | ``AOTC_FALLBACK`` | ``fallback`` | what a graph the backend cannot serve (unkeyable, a failed compile or numeric check, a damaged entry) falls back to: ``inductor`` (default), ``eager``, or ``error`` to raise (CI, tests) |
 """
 
@@ -40,7 +41,7 @@ ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_E
        "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG",
        "vllm_records": "AOTC_VLLM_RECORDS", "allow_unsigned": "AOTC_ALLOW_UNSIGNED",
        "signing_key": "AOTC_SIGNING_KEY", "lease_ttl": "AOTC_LEASE_TTL", "lease_wait": "AOTC_LEASE_WAIT",
-       "oci_insecure": "AOTC_OCI_INSECURE"}
+       "oci_insecure": "AOTC_OCI_INSECURE", "merge": "AOTC_MERGE"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -72,6 +73,7 @@ class Settings:
     lease_ttl: float = 60.0  # seconds a compile lease lives without a heartbeat
     lease_wait: float = 1800.0  # the most seconds a process waits for another's lease
     oci_insecure: bool = False  # plain HTTP to an oci:// registry
+    merge: bool = True  # the backend's merged programs of split CPU graphs (aotc.backend.merged)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -102,6 +104,7 @@ class Settings:
             lease_ttl=_seconds(text["lease_ttl"], "lease_ttl", 60.0),
             lease_wait=_seconds(text["lease_wait"], "lease_wait", 1800.0),
             oci_insecure=_flag(text["oci_insecure"], False),
+            merge=_flag(text["merge"], True),
         )
 
     @property

@@ -24,6 +24,11 @@ def store(tmp_path: Path):
     s.close()
 
 
+# The backend's merged programs (aotc.backend.merged) are off for the session: a child compiling
+# on after its test ended would write into a temp store being removed, and entries would appear in
+# stores that tests count. tests/test_merged.py turns them on per backend (merge=True).
+os.environ["AOTC_MERGE"] = "0"
+
 # The environment as the session found it. Importing vLLM (or building its engine config) sets
 # variables in this process — TORCHINDUCTOR_CPP_DYNAMIC_THREADS, LD_PRELOAD, KMP_* — that change
 # what Inductor compiles in a child which inherits them (cpp.dynamic_threads is read at import), so

@@ -110,13 +110,15 @@ class BackendConfig:
     mode: str | None = None
     graphs: bool = False  # CUDA graphs asked for (mode="reduce-overhead"/"max-autotune")
     fallback: str | None = None  # None: AOTC_FALLBACK, else "inductor"
+    merge: bool | None = None  # None: AOTC_MERGE (default on); aotc.backend.merged
 
     @classmethod
     def make(cls, store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
              splitting_ops: Iterable[str] | str | None = None,
              compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
              inductor: dict[str, Any] | None = None, name: str | None = None,
-             mode: str | None = None, fallback: str | None = None) -> BackendConfig:
+             mode: str | None = None, fallback: str | None = None,
+             merge: bool | None = None) -> BackendConfig:
         """Validate ``aotc.backend(...)``'s arguments (a bad one is a ``BackendError`` naming it).
         ``tolerance``: a float (atol = rtol), ``(atol, rtol)`` or ``{"atol": …, "rtol": …}``;
         default by dtype (float32 1e-4, float16 1e-2, bfloat16 3e-2)."""
@@ -147,7 +149,8 @@ class BackendConfig:
         return cls(store=store, remote=remote, trust=trust, splitting_ops=ops, compile_sizes=sizes,
                    atol=atol, rtol=rtol, tolerance_set=tolerance is not None,
                    inductor={**patches, **(DEFAULT_INDUCTOR if inductor is None else inductor)},
-                   name=name or "torch.compile", mode=mode, graphs=graphs, fallback=fallback)
+                   name=name or "torch.compile", mode=mode, graphs=graphs, fallback=fallback,
+                   merge=None if merge is None else bool(merge))
 
     def with_env(self, environ: Mapping[str, str]) -> BackendConfig:
         """This config with the Inductor settings a server set through the environment after
@@ -178,6 +181,10 @@ class BackendConfig:
         """The fallback policy: given, else ``AOTC_FALLBACK``, else ``inductor``."""
         return self.fallback or fallback_policy(settings.fallback)
 
+    def merges(self, settings: Settings) -> bool:
+        """Whether split CPU graphs get merged programs: given, else ``AOTC_MERGE`` (default on)."""
+        return settings.merge if self.merge is None else self.merge
+
     def ops(self, settings: Settings) -> tuple[str, ...]:
         """The splitting ops: given, else ``AOTC_SPLITTING_OPS``, else the defaults."""
         if self.splitting_ops is not None:
@@ -206,7 +213,7 @@ class BackendConfig:
 
 
 ARGUMENTS = ("store", "remote", "trust", "splitting_ops", "compile_sizes", "tolerance", "inductor",
-             "name", "mode", "fallback")
+             "name", "mode", "fallback", "merge")
 
 
 def call_config(base: BackendConfig, kwargs: dict[str, Any]) -> BackendConfig:
@@ -238,7 +245,8 @@ def call_config(base: BackendConfig, kwargs: dict[str, Any]) -> BackendConfig:
     given = {"store": base.store, "remote": base.remote, "trust": base.trust,
              "splitting_ops": base.splitting_ops, "compile_sizes": base.compile_sizes,
              "tolerance": (base.atol, base.rtol) if base.tolerance_set else None,
-             "inductor": base.inductor, "name": base.name, "fallback": base.fallback, **ours}
+             "inductor": base.inductor, "name": base.name, "fallback": base.fallback,
+             "merge": base.merge, **ours}
     if mode is not None:
         given["mode"] = mode
     made = BackendConfig.make(**given)

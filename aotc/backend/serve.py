@@ -160,35 +160,84 @@ class AotcBackend:
                                   "store": str(tiered.local.root), "pieces": meta["pieces"],
                                   "unique_pieces": meta["unique_pieces"], "compiles": meta["compiles"],
                                   "shared": meta.get("shared", 0), "numerics": meta["numerics"]})
+            self._merge_later(gm, example_inputs, key, factors, meta, cfg, context)
             return served.built.compiled
-        return self._load(served.entry, tiered, cfg, settings, t0, pulled=served.pulled,
-                          pulled_bytes=tiered.pulled_bytes - pulled_before)
+        pulled = dict(pulled=served.pulled, pulled_bytes=tiered.pulled_bytes - pulled_before)
+        if cfg.merges(settings) and served.entry.metadata.get("mergeable"):
+            from aotc.backend.merged import merged_entry
+
+            merged = merged_entry(tiered, factors, served.pulled)
+            if merged is not None:  # the graph compiled whole: served instead of its pieces
+                try:
+                    return self._load(merged, tiered, cfg, settings, t0, as_key=key, **pulled)
+                except Exception as e:  # noqa: BLE001 - a damaged merged entry: the pieces serve
+                    _log.warning(f"aotc: warning: merged program {merged.key[:16]}… not loaded "
+                                 f"({' '.join(str(e).split())[:300]}); the pieces serve graph {key[:16]}…")
+        compiled = self._load(served.entry, tiered, cfg, settings, t0, **pulled)
+        self._merge_later(gm, example_inputs, key, factors, served.entry.metadata, cfg, context)
+        return compiled
+
+    def _merge_later(self, gm: Any, example_inputs: Sequence[Any], pieces_key: str,
+                     factors: dict[str, Any], metadata: dict[str, Any], cfg: BackendConfig,
+                     context: Any) -> None:
+        """Compile the graph whole in a forked child, stored beside its pieces (their entry's
+        ``pieces_key``, ``factors``, ``metadata``), when it is wanted and neither stored nor
+        given up on (:mod:`aotc.backend.merged`)."""
+        from dataclasses import replace
+
+        from aotc.backend import merged
+        from aotc.backend.build import computed_float_dtype
+        from aotc.backend.given_up import GivenUpBefore, raise_if_given_up, remember
+
+        if not merged.merge_wanted(cfg.merges(context.settings), example_inputs, metadata):
+            return
+        tiered, key = context.open_tiered(create=True), merged.merged_key(factors)
+        trusted = not tiered.policy.keys or (context.signer is not None
+                                             and context.signer.public in tiered.policy.keys)
+        if tiered.has(key) or tiered.local.read_only or not trusted:
+            return
+        tolerance = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
+        try:
+            raise_if_given_up(tiered.local, key, tolerance)
+        except GivenUpBefore:
+            return
+        whole = replace(cfg, splitting_ops=())
+
+        def build() -> None:  # in the child: its own store connections (none crosses a fork)
+            from aotc.fleet.tiered import Wanted
+
+            mine = context.open_tiered(create=True)
+            mine.get_or_build(Wanted.by_key(key, f"merged program {key[:16]}…"), lambda: _Built(
+                key, None, _compile_and_store(gm, example_inputs, key, merged.merged_factors(factors),
+                                              mine.local, whole, context, tolerance)))
+
+        merged.start_merge(f"graph {pieces_key[:16]}…: merged program {key[:16]}…", build,
+                           lambda e: remember(tiered.local, cfg.name, gm, example_inputs, key, e, tolerance))
 
     def _load(self, entry: Any, tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
-              pulled: bool, pulled_bytes: int) -> Any:
-        """The stored graph ``entry`` as Dynamo's callable."""
+              pulled: bool, pulled_bytes: int, as_key: str | None = None) -> Any:
+        """The stored graph ``entry`` as Dynamo's callable (saved as ``as_key``, the pieces' key,
+        when ``entry`` is their merged program: a later load finds it from there)."""
         from aotc._torch import dynamo
         from aotc.backend.compiled import AotcCompiled, runner_of
 
         with dynamo.outside_trace():
             runner = runner_of(entry, tiered, fast=settings.loader != "inductor")
-        self._done(settings, {"key": entry.key, "hit": True, "pulled": pulled,
+        self._done(settings, {"key": as_key or entry.key, "hit": True, "pulled": pulled,
                               "pulled_bytes": pulled_bytes,
                               "seconds": round(time.perf_counter() - t0, 3),
-                              "store": str(tiered.local.root)})
-        return AotcCompiled(entry.key, runner, cfg.store)
+                              "store": str(tiered.local.root), **({"merged": entry.key} if as_key else {})})
+        return AotcCompiled(as_key or entry.key, runner, cfg.store)
 
     def _build(self, gm: Any, example_inputs: Sequence[Any], key: str, factors: dict[str, Any],
                tiered: Any, cfg: BackendConfig, context: Any, tolerance: tuple[float, float]) -> Any:
         """Compile the graph here with the check's ``tolerance`` (atol, rtol), store it (signed
         when a signing key is set) and load what was stored; the tiered store pushes it."""
         from aotc._torch import dynamo
-        from aotc.backend.build import build_entry
         from aotc.backend.compiled import AotcCompiled, runner_of
         from aotc.backend.given_up import forget
         from aotc.cache import StoreReadOnlyError
         from aotc.errors import TrustError
-        from aotc.progress import Progress
 
         store, settings = tiered.local, context.settings
         signer = context.signer  # a bad AOTC_SIGNING_KEY fails here, before any work
@@ -199,13 +248,7 @@ class AotcBackend:
                              "where it is signed and push it")
         if store.read_only:
             raise StoreReadOnlyError(str(store.root), f"compile graph {key[:16]}… into it")
-        progress = Progress()  # phase lines on the aotc.progress logger
-        atol, rtol = tolerance
-        with dynamo.outside_trace():
-            meta = build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
-                               ops=cfg.ops(settings), sizes=cfg.sizes(settings),
-                               options=dict(cfg.inductor), atol=atol, rtol=rtol, progress=progress,
-                               signer=signer)
+        meta = _compile_and_store(gm, example_inputs, key, factors, store, cfg, context, tolerance)
         forget(store, key)
         with dynamo.outside_trace():
             runner = runner_of(store.get(key), tiered, fast=settings.loader != "inductor")
@@ -216,6 +259,8 @@ class AotcBackend:
         self.last = what
         how = ("pulled from the remote" if what["pulled"] else "loaded from the store") if what["hit"] \
             else f"compiled {what['compiles']} pieces, checked, stored"
+        if what.get("merged"):
+            how += f" (its merged program {what['merged'][:16]}…)"
         _log.info(f"aotc: graph {what['key'][:16]}… {'hit' if what['hit'] else 'miss'}: {how} in "
                   f"{what['seconds']:.2f}s ({what['store']})")
         if settings.report:
@@ -228,6 +273,23 @@ class AotcBackend:
 
         with open(settings.report, "a") as f:  # one short line per write: atomic append
             f.write(json.dumps({**what, "pid": os.getpid()}, sort_keys=True) + "\n")
+
+
+def _compile_and_store(gm: Any, example_inputs: Sequence[Any], key: str, factors: dict[str, Any],
+                       store: Any, cfg: BackendConfig, context: Any,
+                       tolerance: tuple[float, float]) -> dict[str, Any]:
+    """Split, compile, check and store the graph under ``key`` (:func:`aotc.backend.build.build_entry`),
+    signed when the context has a signing key; the entry's metadata."""
+    from aotc._torch import dynamo
+    from aotc.backend.build import build_entry
+    from aotc.progress import Progress
+
+    settings, (atol, rtol) = context.settings, tolerance
+    with dynamo.outside_trace():
+        return build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
+                           ops=cfg.ops(settings), sizes=cfg.sizes(settings),
+                           options=dict(cfg.inductor), atol=atol, rtol=rtol,
+                           progress=Progress(), signer=context.signer)
 
 
 @dataclass(frozen=True)
@@ -247,7 +309,8 @@ def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = 
             splitting_ops: Iterable[str] | str | None = None,
             compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
             inductor: dict[str, Any] | None = None, name: str | None = None,
-            mode: str | None = None, fallback: str | None = None) -> AotcBackend:
+            mode: str | None = None, fallback: str | None = None,
+            merge: bool | None = None) -> AotcBackend:
     """A configured ``torch.compile`` backend. ``store``: a directory or ``s3://`` URL (default
     ``AOTC_STORE``); ``remote``: pull-through and push target (default ``AOTC_REMOTE``);
     ``trust``: public keys an entry must be signed by (besides ``AOTC_TRUST_KEYS``);
@@ -256,9 +319,11 @@ def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = 
     ``AOTC_COMPILE_SIZES``, else none); ``tolerance`` of the numeric check (default by dtype);
     ``inductor``: config patches; ``name``: the store entry's name; ``mode``: a ``torch.compile``
     mode (:func:`aotc.backend.config.mode_patches`); ``fallback``: ``inductor``, ``eager`` or
-    ``error`` for a graph aotc cannot serve (default ``AOTC_FALLBACK``, else ``inductor``)."""
+    ``error`` for a graph aotc cannot serve (default ``AOTC_FALLBACK``, else ``inductor``);
+    ``merge``: compile a split CPU graph whole in the background and serve that once stored
+    (:mod:`aotc.backend.merged`; default ``AOTC_MERGE``, else on)."""
     return AotcBackend(BackendConfig.make(store, remote, trust, splitting_ops, compile_sizes,
-                                          tolerance, inductor, name, mode, fallback))
+                                          tolerance, inductor, name, mode, fallback, merge))
 
 
 _DEFAULT: AotcBackend | None = None

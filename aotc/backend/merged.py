@@ -1,0 +1,149 @@
+"""A split graph's merged program: the same graph compiled whole, stored beside its pieces, and
+served instead of them where nothing is captured (CPU).
+
+The split at attention is for the GPU (piecewise CUDA graphs around an attention that cannot be
+captured) and for the cold compile (each unique piece compiled once). Where nothing is captured
+it costs at run time: each piece allocates its own buffers (Inductor reuses buffers across a
+whole graph's layers) and is called through its own wrapper — ~2 % of a small Llama's CPU decode
+step (``bench/hf_generate.py``: pieces 0.99× Inductor, one piece 1.01×). So after a CPU graph
+with attention is compiled in pieces and served, a child process forked at that point (it holds
+the graph and its example inputs in memory: nothing is re-traced or sent) compiles it once more
+with no splitting ops, at a lower CPU priority, checks it against the graph run eagerly like any
+entry, and stores it under the key the backend gives the graph with no splitting ops (the pieces'
+factors with ``backend.splitting_ops`` empty: what ``aotc.backend(splitting_ops=[])`` stores). A later
+start that finds it serves it instead of the pieces; the first start is never slowed or made to
+wait (the pieces serve it meanwhile). A start that loads the pieces and finds no merged program
+(a store from before, ``AOTC_MERGE=0`` then, another machine's push without one) starts the same
+child. A merge that fails is remembered (:mod:`aotc.backend.given_up`) and not tried again by
+this aotc; a damaged merged entry is skipped with one line and the pieces serve.
+
+Where not (the entry's ``mergeable``, :func:`aotc.backend.build.build_entry`): a graph that was
+not split (nothing to merge), a training graph, a graph whose splitting op writes into a buffer
+the graph allocates (vLLM's attention: the check zeroes that buffer before the op, which it
+cannot do inside a whole compiled graph, so such a program could not be checked); nor a graph on
+another device than the CPU (CUDA graphs want the pieces; a CUDA context does not survive a
+fork), a process that cannot fork, ``AOTC_MERGE=0``. The child leaves with ``os._exit`` and is killed by
+its own alarm after :data:`TIME_LIMIT` seconds; :func:`wait_for_merges` waits for this process's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aotc.log import logger
+
+__all__ = ["TIME_LIMIT", "merge_wanted", "merged_entry", "merged_factors", "merged_key", "start_merge",
+           "wait_for_merges"]
+
+_log = logger("backend")
+TIME_LIMIT = 3600  # seconds a merge child may run before its alarm ends it
+_running: dict[int, threading.Thread] = {}  # this process's merge children, by pid: their reapers
+
+
+def merged_factors(factors: dict[str, Any]) -> dict[str, Any]:
+    """The merged program's factors: the pieces' (``factors``) with no splitting ops — the graph
+    as ``aotc.backend(splitting_ops=[])`` keys it, so either stores the same entry."""
+    return {**factors, "backend": {**factors["backend"], "splitting_ops": []}}
+
+
+def merged_key(factors: dict[str, Any]) -> str:
+    """The store key of the merged program of the graph whose pieces have ``factors``."""
+    from aotc.records.key import compute_key
+
+    return compute_key(merged_factors(factors))
+
+
+def merge_wanted(enabled: bool, example_inputs: Sequence[Any], metadata: dict[str, Any]) -> bool:
+    """Whether a graph whose pieces' entry has ``metadata`` gets a merged program (module doc)."""
+    if not (enabled and metadata.get("mergeable")):
+        return False
+    from aotc._torch.forked import fork_is_safe
+    from aotc.backend.graphkey import graph_device
+
+    return graph_device(example_inputs) == "cpu" and fork_is_safe()
+
+
+def merged_entry(tiered: Any, factors: dict[str, Any], pulled: bool) -> Any:
+    """The stored merged program of the graph whose pieces have ``factors``, or None: from the
+    local store, or — when the pieces were just ``pulled`` from the remote — pulled too."""
+    from aotc.errors import AotcError
+
+    key = merged_key(factors)
+    try:
+        if tiered.has(key) or (pulled and tiered.remote is not None):
+            return tiered.get(key, wait=False)
+    except AotcError as e:
+        if type(e).__name__ != "CacheMiss":
+            _log.warning(f"aotc: warning: merged program {key[:16]}… not taken ({_one_line(e)}); "
+                         "the pieces serve the graph")
+    return None
+
+
+def start_merge(label: str, build: Callable[[], None], remember: Callable[[BaseException], None]) -> int | None:
+    """Fork a child that runs ``build()`` (compile the merged program and store it) and leaves;
+    on failure it calls ``remember(error)`` and says so in one line. Returns the child's pid
+    (None: the fork failed — the pieces serve, nothing else happens)."""
+    from aotc._torch import forked
+    from aotc._torch.scoped_env import process_scope
+
+    try:
+        with process_scope():  # no thread of ours is inside Inductor's state at the fork
+            pid = os.fork()
+    except OSError as e:
+        _log.warning(f"aotc: warning: {label}: no merged program ({_one_line(e)}); the pieces serve it")
+        return None
+    if pid == 0:  # the child
+        code = 1
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM):
+                signal.signal(sig, signal.SIG_DFL)  # not the server's handlers
+            signal.alarm(TIME_LIMIT)
+            os.nice(10)
+            forked.after_fork_in_child()
+            t = time.perf_counter()
+            build()
+            _log.info(f"aotc: {label}: merged program compiled, checked, stored in "
+                      f"{time.perf_counter() - t:.1f}s (pid {os.getpid()})")
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - a child: say why, remember it, leave
+            _log.warning(f"aotc: warning: {label}: no merged program ({_one_line(e)}); the pieces "
+                         "serve it")
+            try:
+                remember(e)
+            except BaseException:  # noqa: BLE001
+                pass
+        finally:
+            os._exit(code)
+    reaper = threading.Thread(target=_reap, args=(pid,), name=f"aotc-merge-{pid}", daemon=True)
+    _running[pid] = reaper
+    reaper.start()
+    _log.info(f"aotc: {label}: merged program compiling in the background (pid {pid})")
+    return pid
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # reaped elsewhere (a SIGCHLD handler of the server's)
+        pass
+    finally:
+        _running.pop(pid, None)
+
+
+def wait_for_merges(timeout: float | None = None) -> bool:
+    """Wait for the merged-program compiles this process started (at most ``timeout`` seconds in
+    all); True when none is left running."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in list(_running.values()):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        thread.join(left)
+    return not _running
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]

@@ -1,0 +1,176 @@
+"""A split CPU graph's merged program (aotc.backend.merged): compiled whole in a forked child
+after the pieces serve, stored beside them, served instead of them by a later start. Real
+forks, real compiles, a fresh process for the later start. The session runs with AOTC_MERGE=0
+(conftest); these tests turn it on per backend (``merge=True``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PYTHON, python_env
+
+# a fresh process: the toy (2 layers, aotc::attention) through aotc.backend at two sizes
+_LATER_START = """
+import json, sys, torch, aotc
+from aotc.models.toy_llama import build
+torch.manual_seed(0)
+m = build(layers=2, hidden=64, heads=4, vocab=128).eval()
+be = aotc.backend(store=sys.argv[1], merge=sys.argv[2] == "1", fallback="error")
+f = torch.compile(m, backend=be)
+err = 0.0
+with torch.no_grad():
+    for n in (8, 5):
+        ids, pos = torch.arange(n) % 128, torch.arange(n)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        err = max(err, (f(ids, pos) - m(ids, pos)).abs().max().item())
+from aotc.counters import COUNTERS
+from torch._dynamo.utils import counters
+ind = counters["inductor"]
+compiles = COUNTERS.compiles + ind.get("fxgraph_cache_miss", 0) + ind.get("fxgraph_cache_bypass", 0)
+print(json.dumps({"last": be.last, "err": err, "compiles": compiles}))
+"""
+
+
+def _toy() -> torch.nn.Module:
+    from aotc.models.toy_llama import build
+
+    torch.manual_seed(0)
+    return build(layers=2, hidden=64, heads=4, vocab=128).eval()
+
+
+def _call(backend, n: int = 8) -> torch.Tensor:
+    torch._dynamo.reset()  # a new trace: the backend is called again (a hit now)
+    f = torch.compile(_toy(), backend=backend)
+    ids, pos = torch.arange(n) % 128, torch.arange(n)
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    with torch.no_grad():
+        return f(ids, pos)
+
+
+def _later_start(store: Path, merge: bool) -> dict:
+    out = subprocess.run([PYTHON, "-c", _LATER_START, str(store), "1" if merge else "0"],
+                         capture_output=True, text=True, env=python_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
+
+
+@pytest.fixture(scope="module")
+def merged_store(tmp_path_factory):
+    """A store where the toy's graph was compiled in pieces with merge=False, then met again with
+    merge=True (a hit with no merged program: the case of a store from before): (store, the
+    pieces' key, the merged key, what the second call did)."""
+    import aotc
+    from aotc.backend.merged import merged_key
+
+    store = tmp_path_factory.mktemp("merged") / "store"
+    first = aotc.backend(store=str(store), merge=False, fallback="error")
+    _call(first)
+    assert first.last["hit"] is False and first.last["pieces"] > 1
+    assert aotc.wait_for_merges(0)  # merge=False: no child was started
+    second = aotc.backend(store=str(store), merge=True, fallback="error")
+    t = time.perf_counter()
+    _call(second)
+    started_in = time.perf_counter() - t
+    assert aotc.wait_for_merges(300)
+    from aotc.cache import Store
+
+    s = Store(store)
+    (pieces,) = [e for e in map(s.get, s.keys()) if e.metadata["pieces"] > 1]
+    s.close()
+    yield store, pieces.key, merged_key(pieces.factors), {"last": second.last, "seconds": started_in}
+
+
+def test_a_hit_without_a_merged_program_compiles_one_in_the_background(merged_store) -> None:
+    from aotc.cache import Store
+
+    store, pieces_key, key, second = merged_store
+    assert second["last"]["hit"] is True and "merged" not in second["last"]  # the pieces served it
+    s = Store(store)
+    entry = s.get(key)
+    assert s.get(pieces_key).metadata["mergeable"] is True
+    assert entry.metadata["pieces"] == 1 and entry.metadata["numerics"]["sizes"]
+    assert entry.metadata["mergeable"] is False  # nothing split: nothing more to merge
+    s.close()
+    assert entry.factors["backend"]["splitting_ops"] == []
+
+
+def test_a_later_start_serves_the_merged_program_and_compiles_nothing(merged_store) -> None:
+    store, pieces_key, key, _ = merged_store
+    res = _later_start(store, merge=True)
+    assert res["last"]["hit"] is True and res["last"]["key"] == pieces_key
+    assert res["last"]["merged"] == key and res["compiles"] == 0 and res["err"] < 1e-4
+
+
+def test_merge_off_serves_the_pieces(merged_store) -> None:
+    store, pieces_key, _, _ = merged_store
+    res = _later_start(store, merge=False)
+    assert res["last"]["hit"] is True and "merged" not in res["last"] and res["err"] < 1e-4
+
+
+def test_a_saved_record_loads_the_merged_program(merged_store) -> None:
+    from aotc.backend.compiled import load_graph_program
+    from aotc.context import Context
+
+    store, pieces_key, _, _ = merged_store
+    assert len(load_graph_program(pieces_key, Context(store=str(store))).program.pieces) == 1
+    off = Context.from_env({"AOTC_MERGE": "0"}, store=str(store))
+    assert len(load_graph_program(pieces_key, off).program.pieces) > 1
+
+
+def test_a_damaged_merged_program_is_skipped_and_the_pieces_serve(merged_store, tmp_path: Path) -> None:
+    import shutil
+
+    from aotc.cache import Store
+
+    store, pieces_key, key, _ = merged_store
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    s = Store(copy)
+    path = s.blob_path(s.get(key).blobs["program"].digest)
+    s.close()
+    path.chmod(0o644)
+    path.write_bytes(b"not zstd")
+    res = _later_start(copy, merge=True)
+    assert res["last"]["hit"] is True and "merged" not in res["last"] and res["err"] < 1e-4
+    assert f"merged program {key[:16]}" in res["stderr"] and "the pieces serve" in res["stderr"]
+
+
+def test_the_merge_child_does_not_hold_the_caller_and_a_failure_is_remembered(tmp_path: Path) -> None:
+    from aotc.backend.given_up import GivenUpBefore, raise_if_given_up, remember
+    from aotc.backend.merged import start_merge, wait_for_merges
+    from aotc.cache import Store
+    from aotc.errors import NumericMismatchError
+
+    store = Store(tmp_path / "store")
+
+    def build() -> None:
+        time.sleep(1.5)
+        raise NumericMismatchError("merged program differs from the graph run eagerly")
+
+    t = time.perf_counter()
+    pid = start_merge("test graph", build, lambda e: remember(Store(store.root), "t", None, [], "k" * 64, e))
+    assert pid is not None and pid != os.getpid() and time.perf_counter() - t < 1.0
+    assert not wait_for_merges(0.1)  # still running
+    assert wait_for_merges(60)
+    with pytest.raises(GivenUpBefore, match="differs"):
+        raise_if_given_up(store, "k" * 64)
+    store.close()
+
+
+def test_merge_is_a_setting_and_an_argument() -> None:
+    import aotc
+    from aotc.backend.config import BackendConfig
+    from aotc.settings import Settings
+
+    assert Settings.from_env({}).merge is True and Settings.from_env({"AOTC_MERGE": "0"}).merge is False
+    assert BackendConfig().merges(Settings.from_env({"AOTC_MERGE": "0"})) is False
+    assert aotc.backend(merge=True).config.merges(Settings.from_env({"AOTC_MERGE": "0"})) is True
