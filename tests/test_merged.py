@@ -157,10 +157,14 @@ def test_the_merge_child_does_not_hold_the_caller_and_a_failure_is_remembered(tm
         raise NumericMismatchError("merged program differs from the graph run eagerly")
 
     t = time.perf_counter()
-    pid = start_merge("test graph", build, lambda e: remember(Store(store.root), "t", None, [], "k" * 64, e))
+    lock = tmp_path / "merge.lock"
+    pid = start_merge("test graph", build, lambda e: remember(Store(store.root), "t", None, [], "k" * 64, e),
+                      lock)
     assert pid is not None and pid != os.getpid() and time.perf_counter() - t < 1.0
     assert not wait_for_merges(0.1)  # still running
-    assert wait_for_merges(60)
+    # one merge of a graph at a time: a second asker (another process, here this one) starts none
+    assert start_merge("test graph", build, lambda e: None, lock) is None
+    assert wait_for_merges(60) and not lock.exists()
     with pytest.raises(GivenUpBefore, match="differs"):
         raise_if_given_up(store, "k" * 64)
     store.close()

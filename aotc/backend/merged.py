@@ -28,11 +28,13 @@ its own alarm after :data:`TIME_LIMIT` seconds; :func:`wait_for_merges` waits fo
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from aotc.log import logger
@@ -84,19 +86,44 @@ def merged_entry(tiered: Any, factors: dict[str, Any], pulled: bool) -> Any:
     return None
 
 
-def start_merge(label: str, build: Callable[[], None], remember: Callable[[BaseException], None]) -> int | None:
+def _claim(lock: Path) -> int | None:
+    """An exclusive ``flock`` on ``lock`` (its fd), or None when another process holds it."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def start_merge(label: str, build: Callable[[], None], remember: Callable[[BaseException], None],
+                lock: Path) -> int | None:
     """Fork a child that runs ``build()`` (compile the merged program and store it) and leaves;
-    on failure it calls ``remember(error)`` and says so in one line. Returns the child's pid
-    (None: the fork failed — the pieces serve, nothing else happens)."""
+    on failure it calls ``remember(error)`` and says so in one line. The child holds an
+    exclusive lock on the file ``lock`` while it works: a process that finds it held starts
+    none (a restart while the first start's child still compiles). Returns the child's pid
+    (None: none started — the pieces serve, nothing else happens)."""
     from aotc._torch import forked
     from aotc._torch.scoped_env import process_scope
 
     try:
-        with process_scope():  # no thread of ours is inside Inductor's state at the fork
-            pid = os.fork()
+        fd = _claim(lock)
+        if fd is None:
+            _log.info(f"aotc: {label}: another process is compiling it")
+            return None
+        try:
+            with process_scope():  # no thread of ours is inside Inductor's state at the fork
+                pid = os.fork()
+        except OSError:
+            os.close(fd)
+            raise
     except OSError as e:
         _log.warning(f"aotc: warning: {label}: no merged program ({_one_line(e)}); the pieces serve it")
         return None
+    if pid != 0:
+        os.close(fd)  # the child holds the lock (the same open file) until it leaves
     if pid == 0:  # the child
         code = 1
         try:
@@ -118,6 +145,10 @@ def start_merge(label: str, build: Callable[[], None], remember: Callable[[BaseE
             except BaseException:  # noqa: BLE001
                 pass
         finally:
+            try:
+                lock.unlink()  # (a process that opened it meanwhile locks a file nobody waits on)
+            except OSError:
+                pass
             os._exit(code)
     reaper = threading.Thread(target=_reap, args=(pid,), name=f"aotc-merge-{pid}", daemon=True)
     _running[pid] = reaper

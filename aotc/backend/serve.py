@@ -212,7 +212,8 @@ class AotcBackend:
                                               mine.local, whole, context, tolerance)))
 
         merged.start_merge(f"graph {pieces_key[:16]}…: merged program {key[:16]}…", build,
-                           lambda e: remember(tiered.local, cfg.name, gm, example_inputs, key, e, tolerance))
+                           lambda e: remember(tiered.local, cfg.name, gm, example_inputs, key, e, tolerance),
+                           tiered.local.tmp_dir / f"merge-{key[:32]}.lock")
 
     def _load(self, entry: Any, tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
               pulled: bool, pulled_bytes: int, as_key: str | None = None) -> Any:
