@@ -152,18 +152,19 @@ def test_the_merge_child_does_not_hold_the_caller_and_a_failure_is_remembered(tm
 
     store = Store(tmp_path / "store")
 
-    def build() -> None:
+    def build() -> None:  # as merge_later's: remembers in a store of its own, then raises
         time.sleep(1.5)
-        raise NumericMismatchError("merged program differs from the graph run eagerly")
+        error = NumericMismatchError("merged program differs from the graph run eagerly")
+        remember(Store(store.root), "t", None, [], "k" * 64, error)
+        raise error
 
     t = time.perf_counter()
     lock = tmp_path / "merge.lock"
-    pid = start_merge("test graph", build, lambda e: remember(Store(store.root), "t", None, [], "k" * 64, e),
-                      lock)
+    pid = start_merge("test graph", build, lock)
     assert pid is not None and pid != os.getpid() and time.perf_counter() - t < 1.0
     assert not wait_for_merges(0.1)  # still running
     # one merge of a graph at a time: a second asker (another process, here this one) starts none
-    assert start_merge("test graph", build, lambda e: None, lock) is None
+    assert start_merge("test graph", build, lock) is None
     assert wait_for_merges(60) and not lock.exists()
     with pytest.raises(GivenUpBefore, match="differs"):
         raise_if_given_up(store, "k" * 64)

@@ -34,13 +34,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aotc.log import logger
 
-__all__ = ["TIME_LIMIT", "merge_wanted", "merged_entry", "merged_factors", "merged_key", "start_merge",
-           "wait_for_merges"]
+__all__ = ["TIME_LIMIT", "merge_later", "merge_wanted", "merged_entry", "merged_factors", "merged_key",
+           "start_merge", "wait_for_merges"]
 
 _log = logger("backend")
 TIME_LIMIT = 3600  # seconds a merge child may run before its alarm ends it
@@ -98,10 +99,55 @@ def _claim(lock: Path) -> int | None:
     return fd
 
 
-def start_merge(label: str, build: Callable[[], None], remember: Callable[[BaseException], None],
-                lock: Path) -> int | None:
-    """Fork a child that runs ``build()`` (compile the merged program and store it) and leaves;
-    on failure it calls ``remember(error)`` and says so in one line. The child holds an
+def merge_later(gm: Any, example_inputs: Sequence[Any], pieces_key: str, factors: dict[str, Any],
+                metadata: dict[str, Any], cfg: Any, context: Any, tiered: Any,
+                compile_and_store: Callable[..., dict[str, Any]]) -> int | None:
+    """Compile the graph whole in a forked child and store it beside its pieces (their entry's
+    ``pieces_key``, ``factors``, ``metadata``; the backend's ``cfg`` and ``context``; ``tiered``:
+    the store they came from), when it is wanted and neither stored nor given up on (module
+    doc). ``compile_and_store(gm, inputs, key, factors, store, cfg, context, tolerance)``
+    compiles, checks and stores one graph (the backend's miss). The child's pid, or None."""
+    if not merge_wanted(cfg.merges(context.settings), example_inputs, metadata):
+        return None
+    from dataclasses import replace
+
+    from aotc.backend.build import computed_float_dtype
+    from aotc.backend.given_up import GivenUpBefore, raise_if_given_up, remember
+
+    key = merged_key(factors)
+    trusted = not tiered.policy.keys or (context.signer is not None
+                                         and context.signer.public in tiered.policy.keys)
+    if tiered.has(key) or tiered.local.read_only or not trusted:
+        return None
+    tolerance = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
+    try:
+        raise_if_given_up(tiered.local, key, tolerance)
+    except GivenUpBefore:
+        return None
+    whole = replace(cfg, splitting_ops=())
+    # the child opens its own store and remote: no sqlite connection or socket crosses the fork
+    theirs = replace(context, store=str(tiered.local.root),
+                     remote=getattr(tiered.remote, "url", None) if tiered.remote is not None else None)
+
+    def build() -> None:
+        from aotc.fleet.tiered import Wanted
+
+        mine = theirs.open_tiered(create=True)
+        try:
+            mine.get_or_build(Wanted.by_key(key, f"merged program {key[:16]}…"), lambda: _Stored(
+                key, compile_and_store(gm, example_inputs, key, merged_factors(factors), mine.local,
+                                       whole, theirs, tolerance)))
+        except BaseException as e:
+            remember(mine.local, cfg.name, gm, example_inputs, key, e, tolerance)
+            raise
+
+    return start_merge(f"graph {pieces_key[:16]}…: merged program {key[:16]}…", build,
+                       tiered.local.tmp_dir / f"merge-{key[:32]}.lock")
+
+
+def start_merge(label: str, build: Callable[[], None], lock: Path) -> int | None:
+    """Fork a child that runs ``build()`` (compile the merged program and store it; on failure
+    remember it and raise) and leaves, saying in one line how it went. The child holds an
     exclusive lock on the file ``lock`` while it works: a process that finds it held starts
     none (a restart while the first start's child still compiles). Returns the child's pid
     (None: none started — the pieces serve, nothing else happens)."""
@@ -137,13 +183,9 @@ def start_merge(label: str, build: Callable[[], None], remember: Callable[[BaseE
             _log.info(f"aotc: {label}: merged program compiled, checked, stored in "
                       f"{time.perf_counter() - t:.1f}s (pid {os.getpid()})")
             code = 0
-        except BaseException as e:  # noqa: BLE001 - a child: say why, remember it, leave
+        except BaseException as e:  # noqa: BLE001 - a child: say why and leave
             _log.warning(f"aotc: warning: {label}: no merged program ({_one_line(e)}); the pieces "
                          "serve it")
-            try:
-                remember(e)
-            except BaseException:  # noqa: BLE001
-                pass
         finally:
             try:
                 lock.unlink()  # (a process that opened it meanwhile locks a file nobody waits on)
@@ -174,6 +216,14 @@ def wait_for_merges(timeout: float | None = None) -> bool:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         thread.join(left)
     return not _running
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """What the merge's build stored (the tiered store pushes it by ``key``)."""
+
+    key: str
+    metadata: dict[str, Any]
 
 
 def _one_line(e: BaseException) -> str:

@@ -129,6 +129,7 @@ class AotcBackend:
         """The stored program of this graph: local, pulled, or built here (the tiered store's
         one fleet journey, :meth:`aotc.fleet.tiered.TieredStore.get_or_build`)."""
         from aotc.backend.graphkey import graph_device, static_graph
+        from aotc.backend.merged import merge_later
         from aotc.fleet.tiered import Wanted
 
         t0 = time.perf_counter()
@@ -160,7 +161,7 @@ class AotcBackend:
                                   "store": str(tiered.local.root), "pieces": meta["pieces"],
                                   "unique_pieces": meta["unique_pieces"], "compiles": meta["compiles"],
                                   "shared": meta.get("shared", 0), "numerics": meta["numerics"]})
-            self._merge_later(gm, example_inputs, key, factors, meta, cfg, context)
+            merge_later(gm, example_inputs, key, factors, meta, cfg, context, tiered, _compile_and_store)
             return served.built.compiled
         pulled = dict(pulled=served.pulled, pulled_bytes=tiered.pulled_bytes - pulled_before)
         if cfg.merges(settings) and served.entry.metadata.get("mergeable"):
@@ -174,46 +175,9 @@ class AotcBackend:
                     _log.warning(f"aotc: warning: merged program {merged.key[:16]}… not loaded "
                                  f"({' '.join(str(e).split())[:300]}); the pieces serve graph {key[:16]}…")
         compiled = self._load(served.entry, tiered, cfg, settings, t0, **pulled)
-        self._merge_later(gm, example_inputs, key, factors, served.entry.metadata, cfg, context)
+        merge_later(gm, example_inputs, key, factors, served.entry.metadata, cfg, context, tiered,
+                    _compile_and_store)
         return compiled
-
-    def _merge_later(self, gm: Any, example_inputs: Sequence[Any], pieces_key: str,
-                     factors: dict[str, Any], metadata: dict[str, Any], cfg: BackendConfig,
-                     context: Any) -> None:
-        """Compile the graph whole in a forked child, stored beside its pieces (their entry's
-        ``pieces_key``, ``factors``, ``metadata``), when it is wanted and neither stored nor
-        given up on (:mod:`aotc.backend.merged`)."""
-        from dataclasses import replace
-
-        from aotc.backend import merged
-        from aotc.backend.build import computed_float_dtype
-        from aotc.backend.given_up import GivenUpBefore, raise_if_given_up, remember
-
-        if not merged.merge_wanted(cfg.merges(context.settings), example_inputs, metadata):
-            return
-        tiered, key = context.open_tiered(create=True), merged.merged_key(factors)
-        trusted = not tiered.policy.keys or (context.signer is not None
-                                             and context.signer.public in tiered.policy.keys)
-        if tiered.has(key) or tiered.local.read_only or not trusted:
-            return
-        tolerance = cfg.tolerance_for(computed_float_dtype(gm, example_inputs))
-        try:
-            raise_if_given_up(tiered.local, key, tolerance)
-        except GivenUpBefore:
-            return
-        whole = replace(cfg, splitting_ops=())
-
-        def build() -> None:  # in the child: its own store connections (none crosses a fork)
-            from aotc.fleet.tiered import Wanted
-
-            mine = context.open_tiered(create=True)
-            mine.get_or_build(Wanted.by_key(key, f"merged program {key[:16]}…"), lambda: _Built(
-                key, None, _compile_and_store(gm, example_inputs, key, merged.merged_factors(factors),
-                                              mine.local, whole, context, tolerance)))
-
-        merged.start_merge(f"graph {pieces_key[:16]}…: merged program {key[:16]}…", build,
-                           lambda e: remember(tiered.local, cfg.name, gm, example_inputs, key, e, tolerance),
-                           tiered.local.tmp_dir / f"merge-{key[:32]}.lock")
 
     def _load(self, entry: Any, tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
               pulled: bool, pulled_bytes: int, as_key: str | None = None) -> Any:
