@@ -40,7 +40,7 @@ def backend(*args: Any, **kwargs: Any) -> Any:
 def wait_for_merges(timeout: float | None = None) -> bool:
     """Wait (at most ``timeout`` seconds) for the merged programs this process's backend is
     compiling in the background; True when none is left; see :mod:`aotc.backend.merged`."""
-    from aotc.backend.merged import wait_for_merges as wait
+    from aotc.backend.merge_child import wait_for_merges as wait
 
     return wait(timeout)
 

@@ -6,7 +6,6 @@ forks, real compiles, a fresh process for the later start. The session runs with
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -145,30 +144,60 @@ def test_a_damaged_merged_program_is_skipped_and_the_pieces_serve(merged_store, 
 
 
 def test_the_merge_child_does_not_hold_the_caller_and_a_failure_is_remembered(tmp_path: Path) -> None:
-    from aotc.backend.given_up import GivenUpBefore, raise_if_given_up, remember
-    from aotc.backend.merged import start_merge, wait_for_merges
+    """A real fork: the caller is back at once; the child's output goes to its log, not to the
+    caller's stdout/stderr; a second asker starts none while it runs; its failure is remembered
+    by the exec'd ingest; a spent lock file (MAX_ATTEMPTS) starts none."""
+    code = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from aotc.backend import merge_child
+from aotc.backend.given_up import failure_version
+from aotc.errors import NumericMismatchError
+job = merge_child.MergeJob(label="test graph", key="k" * 64, name="t", store_root=sys.argv[1],
+                           tmp_dir=sys.argv[1] + "/store-v1/tmp", remote_url=None,
+                           version=failure_version(None))
+def build(staging):
+    print("from the child", flush=True)
+    time.sleep(1.5)
+    raise NumericMismatchError("merged program differs from the graph run eagerly")
+t = time.perf_counter()
+pid = merge_child.start(job, build)
+print("started", pid is not None, round(time.perf_counter() - t, 2), flush=True)
+print("second", merge_child.start(job, build), flush=True)
+print("running", not merge_child.wait_for_merges(0.1), flush=True)
+"""
+    from aotc.backend.given_up import GivenUpBefore, raise_if_given_up
     from aotc.cache import Store
-    from aotc.errors import NumericMismatchError
 
-    store = Store(tmp_path / "store")
-
-    def build() -> None:  # as merge_later's: remembers in a store of its own, then raises
-        time.sleep(1.5)
-        error = NumericMismatchError("merged program differs from the graph run eagerly")
-        remember(Store(store.root), "t", None, [], "k" * 64, error)
-        raise error
-
+    root = tmp_path / "store"
+    Store(root).close()
     t = time.perf_counter()
-    lock = tmp_path / "merge.lock"
-    pid = start_merge("test graph", build, lock)
-    assert pid is not None and pid != os.getpid() and time.perf_counter() - t < 1.0
-    assert not wait_for_merges(0.1)  # still running
-    # one merge of a graph at a time: a second asker (another process, here this one) starts none
-    assert start_merge("test graph", build, lock) is None
-    assert wait_for_merges(60) and not lock.exists()
-    with pytest.raises(GivenUpBefore, match="differs"):
-        raise_if_given_up(store, "k" * 64)
+    out = subprocess.run([PYTHON, "-c", code, str(root)], capture_output=True, text=True,
+                         env=python_env(), timeout=120)
+    # the caller's pipes closed when it exited, not when its child did (1.5 s later)
+    assert out.returncode == 0 and time.perf_counter() - t < 10, out.stderr[-2000:]
+    started, second, running = out.stdout.strip().splitlines()
+    assert started.startswith("started True") and float(started.split()[2]) < 1.0
+    assert second == "second None" and running == "running True"
+    assert "from the child" not in out.stdout
+    lock = root / "store-v1" / "tmp" / f"merge-{'k' * 32}.lock"
+    deadline = time.monotonic() + 60
+    store = Store(root)
+    while True:  # the ingest (a fresh interpreter the child became) remembers the failure
+        try:
+            raise_if_given_up(store, "k" * 64)
+        except GivenUpBefore as e:
+            assert "differs" in str(e)
+            break
+        assert time.monotonic() < deadline, lock.with_suffix(".log").read_text()[-2000:]
+        time.sleep(0.2)
     store.close()
+    assert lock.read_text() == "1" and not list(lock.parent.glob(f"merge-{'k' * 32}-*"))  # staging gone
+    lock.write_text("2")  # MAX_ATTEMPTS spent (children killed): none starts until gc removes it
+    from aotc.backend import merge_child
+
+    job = merge_child.MergeJob("t", "k" * 64, "t", str(root), str(lock.parent), None, "v")
+    assert merge_child.start(job, lambda staging: None) is None
 
 
 def test_merge_is_a_setting_and_an_argument() -> None:

@@ -29,7 +29,8 @@ from aotc.errors import (
 )
 from aotc.log import logger
 
-__all__ = ["GivenUpBefore", "forget", "graph_fingerprint", "raise_if_given_up", "remember"]
+__all__ = ["GivenUpBefore", "failure_version", "forget", "graph_fingerprint", "raise_if_given_up", "remember",
+           "repeats"]
 
 _log = logger("backend")
 _REPEATS = (BackendError, CaptureError, CompileError, LoadError, NumericMismatchError, RunError, SplitError)
@@ -60,6 +61,16 @@ def _transient(e: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def failure_version(tolerance: Any = None) -> str:
+    """The version a failure of a graph compiled with ``tolerance`` is remembered under."""
+    return _version(tolerance)
+
+
+def repeats(e: BaseException) -> bool:
+    """Whether ``e`` would fail the same graph again: worth remembering (module doc)."""
+    return _repeats(e)
 
 
 def _repeats(e: BaseException) -> bool:
