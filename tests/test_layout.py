@@ -322,6 +322,7 @@ ENTRY_POINTS = {
     ("aotc.warmstart.build", "precompile"),  # aotc.precompile
     ("aotc.warmstart.load", "precompiled"),  # aotc.precompiled
     ("aotc.context", "Context.from_env"),  # the reading itself
+    ("aotc.backend.merge_child", "main"),  # a merged program's ingest: a fresh interpreter
 }
 
 

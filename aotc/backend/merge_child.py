@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from aotc.log import logger
 
@@ -138,12 +139,9 @@ def _child(job: MergeJob, build: Callable[[Path], None]) -> None:
             outcome.update(ok=True, seconds=round(time.perf_counter() - t, 1))
         except BaseException as e:  # noqa: BLE001 - said and recorded by the ingest
             outcome.update(reason=" ".join(f"{type(e).__name__}: {e}".split())[:400], remember=repeats(e))
-        (staging / "outcome.json").write_text(json.dumps(outcome))
-        sys.stderr.flush()
-        import aotc
-
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(aotc.__file__).parent.parent),
+        (staging / "outcome.json").write_text(json.dumps(outcome))  # (stderr is line-buffered)
+        env = dict(os.environ)  # where this aotc is imported from, first
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                           env.get("PYTHONPATH", "")]))
         os.execve(sys.executable, [sys.executable, "-m", "aotc.backend.merge_child", str(staging)], env)
     except BaseException as e:  # noqa: BLE001 - the exec failed: say so and leave
@@ -189,17 +187,17 @@ def wait_for_merges(timeout: float | None = None) -> bool:
     return not _running
 
 
-def ingest(staging: Path) -> int:
-    """The fresh interpreter's half: take the staged entry into the real store (signed, pushed)
-    or record why there is none; remove ``staging``. The exit code (0: stored)."""
+def ingest(staging: Path, context: Any) -> int:
+    """The fresh interpreter's half: take the staged entry into the real store (signed with the
+    ``context``'s key, pushed to its remote) or record why there is none; remove ``staging``.
+    The exit code (0: stored)."""
     import shutil
 
     from aotc.cache import Store, failures
-    from aotc.context import Context
 
     out = json.loads((staging / "outcome.json").read_text())
     try:
-        tiered = Context.from_env(store=out["store_root"], remote=out["remote_url"]).open_tiered(create=True)
+        tiered = context.open_tiered(create=True)
         if not out["ok"]:
             if out["remember"]:
                 failures.remember(tiered.local, out["key"], out["name"], out["version"], out["reason"])
@@ -217,9 +215,18 @@ def ingest(staging: Path) -> int:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-if __name__ == "__main__":  # the exec'd ingest: python -m aotc.backend.merge_child STAGING
+def main(argv: list[str]) -> int:
+    """``python -m aotc.backend.merge_child STAGING``: the exec'd ingest, an entry point (its
+    context: the environment the child was forked with, the store and remote it names)."""
+    from aotc.context import Context
     from aotc.log import configure
-    from aotc.settings import Settings
 
-    configure(Settings.from_env().log or "info")
-    sys.exit(ingest(Path(sys.argv[1])))
+    staging = Path(argv[0])
+    out = json.loads((staging / "outcome.json").read_text())
+    context = Context.from_env(store=out["store_root"], remote=out["remote_url"])
+    configure(context.settings.log or "info")
+    return ingest(staging, context)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
