@@ -7,7 +7,8 @@ splitting ops + compile sizes. A stored entry (or one pulled from the remote, ve
 rehydrated through the no-Inductor fast path; a miss compiles, checks and stores it
 (:mod:`aotc.backend.build`) and pushes it when a remote is set. Either way Dynamo gets an
 :class:`~aotc.backend.compiled.AotcCompiled`, which torch's and vLLM's AOT paths can save as
-just the key.
+just the key. A split CPU graph is also compiled whole in a forked child once served, and later
+starts serve that merged program instead of the pieces (:mod:`aotc.backend.merged`).
 
 A graph traced with grad on whose inputs (the weights) require grad is compiled for training:
 each piece's forward and backward (AOTAutograd's), both stored; the check compares gradients as
