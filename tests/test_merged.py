@@ -21,7 +21,8 @@ import json, sys, torch, aotc
 from aotc.models.toy_llama import build
 torch.manual_seed(0)
 m = build(layers=2, hidden=64, heads=4, vocab=128).eval()
-be = aotc.backend(store=sys.argv[1], merge=sys.argv[2] == "1", fallback="error")
+be = aotc.backend(store=sys.argv[1], merge=sys.argv[2] == "1", fallback="error",
+                  remote=sys.argv[3] if len(sys.argv) > 3 else None)
 f = torch.compile(m, backend=be)
 err = 0.0
 with torch.no_grad():
@@ -55,9 +56,11 @@ def _call(backend, n: int = 8) -> torch.Tensor:
         return f(ids, pos)
 
 
-def _later_start(store: Path, merge: bool) -> dict:
-    out = subprocess.run([PYTHON, "-c", _LATER_START, str(store), "1" if merge else "0"],
-                         capture_output=True, text=True, env=python_env(), timeout=300)
+def _later_start(store: Path, merge: bool, remote: str | None = None) -> dict:
+    env = {**python_env(), "AOTC_ALLOW_UNSIGNED": "1"}  # (pulled entries are unsigned here)
+    out = subprocess.run([PYTHON, "-c", _LATER_START, str(store), "1" if merge else "0",
+                          *([remote] if remote else [])],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
@@ -141,6 +144,27 @@ def test_a_damaged_merged_program_is_skipped_and_the_pieces_serve(merged_store, 
     res = _later_start(copy, merge=True)
     assert res["last"]["hit"] is True and "merged" not in res["last"] and res["err"] < 1e-4
     assert f"merged program {key[:16]}" in res["stderr"] and "the pieces serve" in res["stderr"]
+
+
+def test_the_merged_program_is_pushed_and_a_new_node_pulls_it_with_the_pieces(s3, tmp_path: Path) -> None:
+    """The exec'd ingest pushes what it stores to the remote; a node with an empty local store
+    pulls the pieces and, with them, the merged program, and serves that."""
+    import aotc
+    from aotc.backend.merged import merged_key
+    from aotc.cache import Store
+
+    remote = f"s3://{s3()}/fleet"
+    first = aotc.backend(store=str(tmp_path / "a"), remote=remote, merge=True, fallback="error")
+    _call(first)
+    assert first.last["hit"] is False and first.last["pushed"] is True
+    assert aotc.wait_for_merges(300)
+    local = Store(tmp_path / "a")
+    key = merged_key(local.get(first.last["key"]).factors)
+    assert local.has(key)
+    local.close()
+    res = _later_start(tmp_path / "b", merge=True, remote=remote)
+    assert res["last"]["pulled"] is True and res["last"]["merged"] == key, res["stderr"][-2000:]
+    assert res["compiles"] == 0 and res["err"] < 1e-4
 
 
 def test_the_merge_child_does_not_hold_the_caller_and_a_failure_is_remembered(tmp_path: Path) -> None:
