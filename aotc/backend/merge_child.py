@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -130,6 +131,7 @@ def _child(job: MergeJob, build: Callable[[Path], None]) -> None:
         from aotc.backend.given_up import repeats
 
         staging = Path(job.tmp_dir) / f"merge-{job.key[:32]}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)  # a killed child's, whose pid this one reuses
         staging.mkdir(parents=True)
         outcome = {**asdict(job), "ok": False, "reason": "", "remember": False}
         try:
@@ -191,8 +193,6 @@ def ingest(staging: Path, context: Any) -> int:
     """The fresh interpreter's half: take the staged entry into the real store (signed with the
     ``context``'s key, pushed to its remote) or record why there is none; remove ``staging``.
     The exit code (0: stored)."""
-    import shutil
-
     from aotc.cache import Store, failures
 
     out = json.loads((staging / "outcome.json").read_text())
