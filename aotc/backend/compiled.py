@@ -20,14 +20,12 @@ from typing import Any
 from aotc._torch import dynamo
 from aotc.counters import COUNTERS
 from aotc.errors import LoadError
-from aotc.log import logger
 from aotc.runtime.graphcall import GraphRunner
 from aotc.runtime.stitched import Timings
 
 __all__ = ["AotcCompiled", "load_graph_program"]
 
 _FORMAT = 1
-_log = logger("backend")
 
 
 def load_graph_program(key: str, context: Any, timings: Timings | None = None) -> GraphRunner:
@@ -43,17 +41,15 @@ def load_graph_program(key: str, context: Any, timings: Timings | None = None) -
     if tiered.pulled_bytes > before:
         timings.pulled_bytes = tiered.pulled_bytes - before
         timings.add("pull", time.perf_counter() - t)
+    fast = context.loader != "inductor"
     if context.settings.merge and entry.metadata.get("mergeable"):
-        from aotc.backend.merged import merged_entry
+        from aotc.backend.merged import serve_merged
 
-        merged = merged_entry(tiered, entry.factors, pulled=timings.pulled_bytes > 0)
-        if merged is not None:  # the graph compiled whole (aotc.backend.merged): served instead
-            try:
-                return runner_of(merged, tiered, context.loader != "inductor", timings)
-            except Exception as e:  # noqa: BLE001 - a damaged merged entry: the pieces serve
-                _log.warning(f"aotc: warning: merged program {merged.key[:16]}… not loaded "
-                             f"({' '.join(str(e).split())[:300]}); the pieces serve graph {key[:16]}…")
-    return runner_of(entry, tiered, context.loader != "inductor", timings)
+        whole = serve_merged(tiered, entry.factors, timings.pulled_bytes > 0,
+                             lambda m: runner_of(m, tiered, fast, timings))
+        if whole is not None:  # the graph compiled whole (aotc.backend.merged): served instead
+            return whole
+    return runner_of(entry, tiered, fast, timings)
 
 
 def runner_of(entry: Any, tiered: Any, fast: bool, timings: Timings | None = None) -> GraphRunner:

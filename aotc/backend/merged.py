@@ -33,14 +33,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aotc.backend.merge_child import wait_for_merges
 from aotc.log import logger
 
-__all__ = ["merge_later", "merge_wanted", "merged_entry", "merged_factors", "merged_key", "wait_for_merges"]
+__all__ = ["merge_later", "merge_wanted", "merged_entry", "merged_factors", "merged_key", "serve_merged",
+           "wait_for_merges"]
 
 _log = logger("backend")
+T = TypeVar("T")
 
 
 def merged_factors(factors: dict[str, Any]) -> dict[str, Any]:
@@ -80,6 +82,20 @@ def merged_entry(tiered: Any, factors: dict[str, Any], pulled: bool) -> Any:
             _log.warning(f"aotc: warning: merged program {key[:16]}… not taken ({_one_line(e)}); "
                          "the pieces serve the graph")
     return None
+
+
+def serve_merged(tiered: Any, factors: dict[str, Any], pulled: bool, load: Callable[[Any], T]) -> T | None:
+    """``load(entry)`` of the graph's stored merged program (:func:`merged_entry`), or None when
+    there is none or it cannot be loaded (a damaged entry: one warning line; the pieces serve)."""
+    merged = merged_entry(tiered, factors, pulled)
+    if merged is None:
+        return None
+    try:
+        return load(merged)
+    except Exception as e:  # noqa: BLE001 - the pieces serve the graph instead
+        _log.warning(f"aotc: warning: merged program {merged.key[:16]}… not loaded ({_one_line(e)}); "
+                     "the pieces serve the graph")
+        return None
 
 
 def merge_later(gm: Any, example_inputs: Sequence[Any], pieces_key: str, factors: dict[str, Any],

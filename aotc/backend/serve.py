@@ -164,19 +164,17 @@ class AotcBackend:
                                   "shared": meta.get("shared", 0), "numerics": meta["numerics"]})
             merge_later(gm, example_inputs, key, factors, meta, cfg, context, tiered, _compile_and_store)
             return served.built.compiled
-        merged = None
-        if cfg.merges(settings) and served.entry.metadata.get("mergeable"):
-            from aotc.backend.merged import merged_entry
+        def load(entry: Any, as_key: str | None = None) -> Any:
+            return self._load(entry, tiered, cfg, settings, t0, pulled=served.pulled,
+                              pulled_bytes=tiered.pulled_bytes - pulled_before, as_key=as_key)
 
-            merged = merged_entry(tiered, factors, served.pulled)
-        pulled = dict(pulled=served.pulled, pulled_bytes=tiered.pulled_bytes - pulled_before)
-        if merged is not None:  # the graph compiled whole: served instead of its pieces
-            try:
-                return self._load(merged, tiered, cfg, settings, t0, as_key=key, **pulled)
-            except Exception as e:  # noqa: BLE001 - a damaged merged entry: the pieces serve
-                _log.warning(f"aotc: warning: merged program {merged.key[:16]}… not loaded "
-                             f"({' '.join(str(e).split())[:300]}); the pieces serve graph {key[:16]}…")
-        compiled = self._load(served.entry, tiered, cfg, settings, t0, **pulled)
+        if cfg.merges(settings) and served.entry.metadata.get("mergeable"):
+            from aotc.backend.merged import serve_merged
+
+            whole = serve_merged(tiered, factors, served.pulled, lambda m: load(m, as_key=key))
+            if whole is not None:  # the graph compiled whole: served instead of its pieces
+                return whole
+        compiled = load(served.entry)
         merge_later(gm, example_inputs, key, factors, served.entry.metadata, cfg, context, tiered,
                     _compile_and_store)
         return compiled
