@@ -21,7 +21,7 @@ __all__ = [
     "SettingsError", "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
     "NumericMismatchError", "LoadError", "InputError", "RunError", "BackendError", "VllmError",
     "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "BundleError",
-    "PrecompileError",
+    "PrecompileError", "one_line",
 ]
 
 
@@ -127,3 +127,9 @@ class BundleError(AotcError):
     """A bundle file that cannot be exported or imported as it is (named, with the reason)."""
 
     exit_code = 1
+
+
+def one_line(error: BaseException, limit: int = 400) -> str:
+    """``Type: message`` of ``error`` on one line (whitespace folded), cut at ``limit``: how a
+    warning or a remembered reason names an error."""
+    return " ".join(f"{type(error).__name__}: {error}".split())[:limit]

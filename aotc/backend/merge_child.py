@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from aotc.errors import one_line
 from aotc.log import logger
 
 __all__ = ["MAX_ATTEMPTS", "TIME_LIMIT", "MergeJob", "start", "wait_for_merges"]
@@ -140,7 +141,7 @@ def _child(job: MergeJob, build: Callable[[Path], None]) -> None:
             build(staging / "store")
             outcome.update(ok=True, seconds=round(time.perf_counter() - t, 1))
         except BaseException as e:  # noqa: BLE001 - said and recorded by the ingest
-            outcome.update(reason=" ".join(f"{type(e).__name__}: {e}".split())[:400], remember=repeats(e))
+            outcome.update(reason=one_line(e), remember=repeats(e))
         (staging / "outcome.json").write_text(json.dumps(outcome))  # (stderr is line-buffered)
         env = dict(os.environ)  # where this aotc is imported from, first
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
@@ -148,7 +149,7 @@ def _child(job: MergeJob, build: Callable[[Path], None]) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "aotc.backend.merge_child", str(staging)], env)
     except BaseException as e:  # noqa: BLE001 - the exec failed: say so and leave
         try:
-            _log.warning(f"aotc: warning: {job.label}: no merged program ({type(e).__name__}: {e})")
+            _log.warning(f"aotc: warning: {job.label}: no merged program ({one_line(e)})")
         except BaseException:  # noqa: BLE001
             pass
     finally:

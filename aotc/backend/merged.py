@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aotc.backend.merge_child import wait_for_merges
+from aotc.errors import one_line
 from aotc.log import logger
 
 __all__ = ["merge_later", "merge_wanted", "merged_entry", "merged_factors", "merged_key", "serve_merged",
@@ -79,7 +80,7 @@ def merged_entry(tiered: Any, factors: dict[str, Any], pulled: bool) -> Any:
             return tiered.get(key, wait=False)
     except AotcError as e:
         if type(e).__name__ != "CacheMiss":
-            _log.warning(f"aotc: warning: merged program {key[:16]}… not taken ({_one_line(e)}); "
+            _log.warning(f"aotc: warning: merged program {key[:16]}… not taken ({one_line(e, 300)}); "
                          "the pieces serve the graph")
     return None
 
@@ -93,7 +94,7 @@ def serve_merged(tiered: Any, factors: dict[str, Any], pulled: bool, load: Calla
     try:
         return load(merged)
     except Exception as e:  # noqa: BLE001 - the pieces serve the graph instead
-        _log.warning(f"aotc: warning: merged program {merged.key[:16]}… not loaded ({_one_line(e)}); "
+        _log.warning(f"aotc: warning: merged program {merged.key[:16]}… not loaded ({one_line(e, 300)}); "
                      "the pieces serve the graph")
         return None
 
@@ -113,7 +114,7 @@ def merge_later(gm: Any, example_inputs: Sequence[Any], pieces_key: str, factors
             return None
         return _start(gm, example_inputs, factors, cfg, context, tiered, compile_and_store, label)
     except Exception as e:  # noqa: BLE001 - the pieces serve the graph whatever happens here
-        _log.warning(f"aotc: warning: {label} not started ({_one_line(e)}); the pieces serve it")
+        _log.warning(f"aotc: warning: {label} not started ({one_line(e, 300)}); the pieces serve it")
         return None
 
 
@@ -151,7 +152,3 @@ def _start(gm: Any, example_inputs: Sequence[Any], factors: dict[str, Any], cfg:
         store.close()
 
     return merge_child.start(job, build)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())[:300]

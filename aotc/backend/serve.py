@@ -112,7 +112,9 @@ class AotcBackend:
     def _fall_back(self, gm: Any, example_inputs: Sequence[Any], cfg: BackendConfig,
                    settings: Any, policy: str, error: BaseException, key: str) -> Any:
         """Serve the graph without aotc: Inductor's own compile, or the graph as it is (eager)."""
-        reason = " ".join(f"{type(error).__name__}: {error}".split())[:400]
+        from aotc.errors import one_line
+
+        reason = one_line(error)
         graph = f"graph {key[:16]}…" if key else "a graph"
         _log.warning(f"aotc: warning: {graph} is not served by aotc ({reason}); {policy} runs it "
                      "instead (AOTC_FALLBACK=inductor|eager|error)")
