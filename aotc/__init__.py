@@ -55,15 +55,15 @@ def load(manifest: Any = None, model: Any = None, store: Any = None, **kwargs: A
 
 def precompile(target: Any, example_inputs: Any, **kwargs: Any) -> Any:
     """Trace ``target`` once per example input and store Dynamo's output, so a warm start does
-    not trace; see :func:`aotc.warmstart.build.precompile`."""
-    from aotc.warmstart.build import precompile as _precompile
+    not trace; see :func:`aotc.dynamo_artifacts.build.precompile`."""
+    from aotc.dynamo_artifacts.build import precompile as _precompile
 
     return _precompile(target, example_inputs, **kwargs)
 
 
 def precompiled(target: Any, **kwargs: Any) -> Any:
     """``target`` as stored by :func:`precompile`, loaded with no trace (guards checked at every
-    call; a miss is traced); see :func:`aotc.warmstart.load.precompiled`."""
-    from aotc.warmstart.load import precompiled as _precompiled
+    call; a miss is traced); see :func:`aotc.dynamo_artifacts.load.precompiled`."""
+    from aotc.dynamo_artifacts.load import precompiled as _precompiled
 
     return _precompiled(target, **kwargs)

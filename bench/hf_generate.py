@@ -78,7 +78,7 @@ def child(cfg: dict[str, Any]) -> None:
                                   attention_mask=torch.ones_like(ids), pad_token_id=0)
     load_s = 0.0
     if cfg["backend"] == "precompiled":
-        from aotc.warmstart.hf import serve_generate
+        from aotc.dynamo_artifacts.hf import serve_generate
 
         t = time.perf_counter()
         serve_generate(model)  # the store from AOTC_STORE; CPU compile allowed on the model's config

@@ -193,7 +193,7 @@ def precompile_command(ctx: click.Context, manifest: str, sizes: tuple[int, ...]
     """Trace MANIFEST's model with Dynamo once per size, aotc as the backend, and store Dynamo's
     output so a server starts without tracing (the load call it prints: ``aotc.precompiled(model,
     name=NAME, <the manifest's options>)``)."""
-    from aotc.warmstart.manifest import precompile_file
+    from aotc.dynamo_artifacts.manifest import precompile_file
 
     app: AppContext = ctx.obj
     result = precompile_file(manifest, sizes, store=lambda m: _store_for(ctx, m, create=True), remote=app.remote())

@@ -319,8 +319,8 @@ ENTRY_POINTS = {
     ("aotc.backend.compiled", "AotcCompiled._ensure"),  # a saved backend record, loaded
     ("aotc.vllm.plugin", "_install"),  # vLLM's plugin hook (register)
     ("aotc.vllm.plugin", "_context"),
-    ("aotc.warmstart.build", "precompile"),  # aotc.precompile
-    ("aotc.warmstart.load", "precompiled"),  # aotc.precompiled
+    ("aotc.dynamo_artifacts.build", "precompile"),  # aotc.precompile
+    ("aotc.dynamo_artifacts.load", "precompiled"),  # aotc.precompiled
     ("aotc.context", "Context.from_env"),  # the reading itself
     ("aotc.backend.merge_child", "main"),  # a merged program's ingest: a fresh interpreter
 }
@@ -354,3 +354,32 @@ def test_settings_are_read_at_entry_points_only() -> None:
            for scope, line in _settings_reads(tree) if (name, scope) not in ENTRY_POINTS]
     assert not bad, "the environment read below an entry point (take a Context instead):\n" + "\n".join(bad)
     assert not hasattr(__import__("aotc.settings").settings, "current")  # one way to read it: from_env
+
+
+def _documented_modules() -> set[str]:
+    """Every module docs/layout.md lists, as a path from the checkout's root: a row's name is
+    read under its section's first folder (``### `aotc/_torch/` …``), or under ``aotc/`` when it
+    names a subfolder itself (``model/build.py``)."""
+    import re
+
+    found: set[str] = set()
+    folder = None
+    for line in (ROOT / "docs" / "layout.md").read_text().splitlines():
+        heading = re.match(r"### `([^`]+)`", line)
+        if heading:
+            folder = heading.group(1).rstrip("/")
+            continue
+        row = re.match(r"\| `([^`]+\.py)` \|", line)
+        if row and folder:
+            name = row.group(1)
+            base = folder if folder in ("aotc", "cache", "cli") or "/" not in name else "aotc"
+            found.add(f"{base}/{name}")
+    return found
+
+
+def test_docs_layout_lists_every_module_and_no_other() -> None:
+    """docs/layout.md says it lists every module: it does, and names none that is gone."""
+    on_disk = {str(path.relative_to(ROOT)) for path, _ in MODULES.values()}
+    documented = _documented_modules()
+    assert sorted(on_disk - documented) == [], "modules docs/layout.md does not list"
+    assert sorted(documented - on_disk) == [], "docs/layout.md lists modules that do not exist"

@@ -123,7 +123,7 @@ def test_an_edited_source_file_is_a_miss_never_stale_code(tmp_path: Path) -> Non
 _SERVER = '''import json, sys, torch
 from aotc.manifest import load_manifest
 from aotc.model.build import build_model, make_named_inputs
-from aotc.warmstart.manifest import precompiled_for
+from aotc.dynamo_artifacts.manifest import precompiled_for
 from aotc._torch.inductor_facts import counters_snapshot
 m = load_manifest(sys.argv[1])
 model = build_model(m)
@@ -288,7 +288,7 @@ def test_the_load_pauses_the_garbage_collector_and_puts_it_back() -> None:
     off by the unpickled objects was half the load); it is back as it was after, raise or not."""
     import gc
 
-    from aotc.warmstart.load import _gc_paused
+    from aotc.dynamo_artifacts.load import _gc_paused
 
     assert gc.isenabled()
     with _gc_paused():

@@ -63,7 +63,7 @@ def gptfast() -> dict[str, Any]:
 
 
 def generate(arch: str) -> dict[str, Any]:
-    from aotc.warmstart.hf import serve_generate
+    from aotc.dynamo_artifacts.hf import serve_generate
 
     model = cm.hf_model(arch)
     ids = torch.randint(0, cm.VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))

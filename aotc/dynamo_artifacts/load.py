@@ -1,7 +1,7 @@
 """A precompiled function at a warm start: :func:`precompiled` and the callable it returns.
 
 ``aotc.precompiled(model_or_fn)`` finds the stored entry behind the target's probe
-(:mod:`aotc.warmstart.key`: local, else pulled from the remote, the trust policy enforced before a
+(:mod:`aotc.dynamo_artifacts.key`: local, else pulled from the remote, the trust policy enforced before a
 byte of Dynamo's pickle is read), rebuilds Dynamo's code and guards from it and loads the graph
 programs that code calls — no Dynamo trace, no Inductor, no compiler. Each call checks Dynamo's
 guards and runs the stored code. A call whose guards fail (another shape class, another dtype, a
@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from aotc._torch import precompile as dyn
+from aotc.dynamo_artifacts.callable import Precompiled, traced_path
 from aotc.log import logger
-from aotc.warmstart.callable import Precompiled, traced_path
 
 __all__ = ["load_functions", "precompiled"]
 
-_log = logger("warmstart")
+_log = logger("precompile")
 
 
 @contextlib.contextmanager
@@ -45,8 +45,8 @@ def _gc_paused() -> Iterator[None]:
 def load_functions(entry: Any, tiered: Any, context: Any, module: str) -> list[Any]:
     """Dynamo's functions of a stored entry (trust-checked by ``tiered`` before this), each with
     its identity checks and the graph programs it calls loaded through ``context``."""
+    from aotc.dynamo_artifacts.key import ROLE_PREFIX
     from aotc.errors import LoadError
-    from aotc.warmstart.key import ROLE_PREFIX
 
     roles = sorted((r for r in entry.blobs if r.startswith(ROLE_PREFIX)), key=lambda r: int(r[len(ROLE_PREFIX):]))
     checks = entry.factors.get("identities", [])
@@ -75,9 +75,9 @@ def precompiled(target: Callable[..., Any], *, name: str | None = None, store: A
     parameters'. A bad ``target`` raises ``PrecompileError``; anything that goes wrong finding or
     loading the entry is one warning line, and the calls are traced."""
     from aotc.context import Context
+    from aotc.dynamo_artifacts.key import target_id
     from aotc.errors import PrecompileError
     from aotc.log import configure
-    from aotc.warmstart.key import target_id
 
     context = Context.from_env(store=store, remote=remote, trust=trust)  # an entry point
     configure(context.settings.log)
@@ -90,7 +90,7 @@ def precompiled(target: Callable[..., Any], *, name: str | None = None, store: A
                                   **backend_options}, dynamic)
 
     def build(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Precompiled:
-        from aotc.warmstart.build import precompile
+        from aotc.dynamo_artifacts.build import precompile
 
         return precompile(target, [(args, kwargs)], name=name, store=store, remote=remote, trust=trust,
                           device=device, dynamic=dynamic, **backend_options)
@@ -107,9 +107,9 @@ def precompiled(target: Callable[..., Any], *, name: str | None = None, store: A
 def _find_and_load(target: Callable[..., Any], identity: str, module: str, name: str, context: Any,
                    device: str | None, dynamic: bool | None, options: dict[str, Any], traced: Any,
                    build: Any) -> Precompiled:
+    from aotc.dynamo_artifacts.key import device_of, probe_for
     from aotc.errors import StoreNotFoundError
     from aotc.lookup.toolchain import machine_factors
-    from aotc.warmstart.key import device_of, probe_for
 
     try:
         tiered = context.open_tiered(create=build is not None)

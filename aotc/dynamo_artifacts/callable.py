@@ -1,7 +1,7 @@
 """The callable a precompiled target becomes: Dynamo's stored functions, each call checked against
 their guards and run by the stored code; a call none covers runs through
 ``torch.compile(target, backend=aotc)`` (the traced path, one INFO line); with nothing stored,
-the first call precompiles with its own arguments (:mod:`aotc.warmstart.build`)."""
+the first call precompiles with its own arguments (:mod:`aotc.dynamo_artifacts.build`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aotc.log import logger
 
 __all__ = ["Precompiled", "traced_path"]
 
-_log = logger("warmstart")
+_log = logger("precompile")
 
 
 class Precompiled:

@@ -65,7 +65,7 @@ def precompiled_for(manifest: Any, model: Any, **kwargs: Any) -> Any:
     """The server's side of ``aotc precompile MANIFEST``: :func:`aotc.precompiled` of the
     server's own ``model`` under the manifest's name, device and options (``kwargs``: more of
     ``precompiled``'s, e.g. ``store=``)."""
-    from aotc.warmstart.load import precompiled
+    from aotc.dynamo_artifacts.load import precompiled
 
     return precompiled(model, name=manifest.name, device=manifest.device, **{**_options(manifest), **kwargs})
 
@@ -76,9 +76,9 @@ def precompile_manifest(manifest: Any, sizes: Sequence[int] = (), store: Any = N
     1); ``store``/``remote``: as :func:`aotc.precompile`'s."""
     import torch
 
+    from aotc.dynamo_artifacts.build import precompile
     from aotc.errors import PrecompileError
     from aotc.model.build import build_model, make_named_inputs
-    from aotc.warmstart.build import precompile
 
     sizes = tuple(sizes) or tuple(manifest.compile_sizes) or (1,)
     bad = [n for n in sizes if not isinstance(n, int) or n < 1]

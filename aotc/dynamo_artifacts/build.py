@@ -3,7 +3,7 @@
 For each example input, one fullgraph Dynamo trace of the target with aotc as the backend
 (:mod:`aotc._torch.precompile`): the graph is compiled (or found) and stored as any backend graph
 is, and Dynamo's bytecode and guards come back as bytes. The bytes of every example input go into
-one entry (blob roles ``dynamo.0``, ``dynamo.1``, …) keyed by :mod:`aotc.warmstart.key`, signed
+one entry (blob roles ``dynamo.0``, ``dynamo.1``, …) keyed by :mod:`aotc.dynamo_artifacts.key`, signed
 when a signing key is set and pushed when a remote is — the graph entries it calls went the same
 way. :func:`aotc.precompiled` loads it.
 """
@@ -20,7 +20,7 @@ from aotc.log import logger
 
 __all__ = ["example_input", "precompile"]
 
-_log = logger("warmstart")
+_log = logger("precompile")
 
 
 def example_input(value: Any, where: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -46,7 +46,7 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
                device: str | None = None, dynamic: bool | None = None, **backend_options: Any) -> Any:
     """Trace ``target`` (a module, bound method or function) once per example input with aotc as
     the backend and store Dynamo's output (module doc); returns the
-    :class:`~aotc.warmstart.load.Precompiled` callable, ready. ``dynamic``: as ``torch.compile``'s
+    :class:`~aotc.dynamo_artifacts.load.Precompiled` callable, ready. ``dynamic``: as ``torch.compile``'s
     (None: static shapes, each example input its own shape class); ``name``, ``store``,
     ``remote``, ``trust``, ``device``: as :func:`aotc.precompiled`; ``backend_options``: more
     :func:`aotc.backend` arguments (``compile_sizes``, ``inductor``, …). Raises
@@ -54,11 +54,8 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     what it stores must be aotc's."""
     from aotc.backend.serve import backend
     from aotc.context import Context
-    from aotc.log import configure
-    from aotc.lookup.toolchain import machine_factors
-    from aotc.records.key import compute_key
-    from aotc.warmstart.callable import Precompiled, traced_path
-    from aotc.warmstart.key import (
+    from aotc.dynamo_artifacts.callable import Precompiled, traced_path
+    from aotc.dynamo_artifacts.key import (
         KIND,
         ROLE_PREFIX,
         device_of,
@@ -68,6 +65,9 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         probe_for,
         target_id,
     )
+    from aotc.log import configure
+    from aotc.lookup.toolchain import machine_factors
+    from aotc.records.key import compute_key
 
     if not dyn.supported():
         import torch

@@ -24,13 +24,13 @@ __all__ = ["serve_generate"]
 
 def serve_generate(model: Any, *, name: str | None = None, **options: Any) -> Any:
     """Make ``model.generate()`` run its decode step precompiled (module doc); returns the
-    :class:`~aotc.warmstart.load.Precompiled` step (``served``/``traced`` count its calls).
+    :class:`~aotc.dynamo_artifacts.load.Precompiled` step (``served``/``traced`` count its calls).
     ``name``: the entry's name (default ``<model class>:generate``); ``options``:
     :func:`aotc.precompiled`'s (``store``, ``remote``, ``trust``, backend options)."""
     from transformers import CompileConfig
 
-    from aotc.warmstart.key import target_id
-    from aotc.warmstart.load import precompiled
+    from aotc.dynamo_artifacts.key import target_id
+    from aotc.dynamo_artifacts.load import precompiled
 
     identity, _ = target_id(model)
     step = precompiled(model, name=name or f"{identity}:generate", **options)

@@ -1,4 +1,0 @@
-"""No Dynamo trace at a warm start: Dynamo's own output (bytecode and guards) stored as an entry
-beside the graphs it calls (:mod:`aotc.warmstart.build`, ``aotc.precompile``) and loaded without
-a trace (:mod:`aotc.warmstart.load`, ``aotc.precompiled``); transformers' ``generate()``
-(:mod:`aotc.warmstart.hf`)."""
