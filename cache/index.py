@@ -8,7 +8,9 @@ Tables:
 - ``events``: id, time, key, kind ("hit" | "miss" | "put" | "corrupt" | "delete"), detail —
   the newest rows only (``aotc.cache.events``)
 - ``meta``: name (pk), value (``schema_version``, the hit/miss counts of trimmed events)
-- ``failures``: graphs aotc gave up on (``aotc.cache.failures``)
+- ``failures``: graphs aotc gave up on (``aotc.cache.failures``): key (pk), name, version, reason,
+  time, tries, reason_class ("repeats" | "unknown"), attempts — the last two added to a table
+  made before them (its rows read as "unknown", one attempt)
 
 Any sqlite client reads it (``sqlite3 index.sqlite .tables``). Write transactions are explicit
 ``BEGIN IMMEDIATE`` … ``COMMIT`` on the same connection (a hit's mark and its event are one such
@@ -165,13 +167,15 @@ class Index:
             conn.execute(  # graphs aotc gave up on (cache/failures.py)
                 "CREATE TABLE IF NOT EXISTS [failures] ([key] TEXT PRIMARY KEY, [name] TEXT NOT NULL,"
                 " [version] TEXT NOT NULL, [reason] TEXT NOT NULL, [time] FLOAT NOT NULL,"
-                " [tries] INTEGER NOT NULL DEFAULT 1)"
+                " [tries] INTEGER NOT NULL DEFAULT 1, [reason_class] TEXT NOT NULL DEFAULT 'unknown',"
+                " [attempts] INTEGER NOT NULL DEFAULT 1)"
             )
             conn.execute(
                 "INSERT OR IGNORE INTO [meta] ([name], [value]) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),
             )
             self._add_lookup_columns(conn)
+            self._add_failure_columns(conn)
 
     @staticmethod
     def _add_lookup_columns(conn: sqlite3.Connection) -> None:
@@ -186,6 +190,17 @@ class Index:
                          "WHERE json_valid([metadata]) AND json_type([metadata], '$.probe') = 'text'")
         conn.execute("CREATE INDEX IF NOT EXISTS [idx_entries_probe] ON [entries] ([probe])")
         conn.execute("CREATE INDEX IF NOT EXISTS [idx_entries_name] ON [entries] ([name], [created])")
+
+    @staticmethod
+    def _add_failure_columns(conn: sqlite3.Connection) -> None:
+        """``failures.reason_class`` and ``failures.attempts`` (``aotc.cache.failures``): a store
+        made before them gets them here, each old row an ``unknown`` failure of one attempt (tried
+        again an hour after it was recorded, not remembered for good)."""
+        columns = {row[1] for row in conn.execute("PRAGMA table_info([failures])")}
+        if "reason_class" not in columns:
+            conn.execute("ALTER TABLE [failures] ADD COLUMN [reason_class] TEXT NOT NULL DEFAULT 'unknown'")
+        if "attempts" not in columns:
+            conn.execute("ALTER TABLE [failures] ADD COLUMN [attempts] INTEGER NOT NULL DEFAULT 1")
 
     def has_column(self, table: str, column: str) -> bool:
         """Whether ``table`` has ``column`` (a read-only store may predate it). Asked once per

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +81,8 @@ class StoreScan:
     hits: int
     misses: int
     warnings: tuple[str, ...]
-    failures: tuple[Failure, ...] = ()  # graphs aotc gave up on (cache/failures.py)
+    # graphs aotc gave up on, with their reason class and next retry (cache/failures.py)
+    failures: tuple[Failure, ...] = ()
     # (name, bytes) of each directory under unpacked/ (cache/unpacked.py; counted in size_on_disk)
     unpacked_dirs: tuple[tuple[str, int], ...] = ()
 
@@ -100,7 +101,7 @@ class StoreScan:
             "size_on_disk": self.size_on_disk, "orphan_blobs": list(self.orphan_blobs),
             "stale_tmp_files": list(self.stale_tmp_files), "hits": self.hits,
             "misses": self.misses, "warnings": list(self.warnings),
-            "failures": [asdict(f) for f in self.failures],
+            "failures": [f.to_json() for f in self.failures],
             "unpacked_size": self.unpacked_size, "unpacked_dirs": dict(self.unpacked_dirs),
         }
 

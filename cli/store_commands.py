@@ -57,11 +57,13 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
         return
     click.echo(_entry_table(s.entries, verbose) if s.entries else f"store {s.root} is empty")
     if s.failures:
-        click.echo(f"\ngiven up on ({len(s.failures)}; a new process falls back at once, "
+        click.echo(f"\ngiven up on ({len(s.failures)}; a new process falls back until the next retry — "
+                   "never for a failure known to repeat, until aotc or its toolchain changes; "
                    "`aotc gc` forgets them):")
-        click.echo(_table([("NAME", "KEY", "TRIES", "WHEN", "REASON")] + [
-            (f.name, f.key if verbose else f.key[:16], str(f.tries), format_age(f.time),
-             f.reason if verbose else f.reason[:100]) for f in s.failures]))
+        click.echo(_table([("NAME", "KEY", "CLASS", "ATTEMPTS", "NEXT RETRY", "WHEN", "REASON")] + [
+            (f.name, f.key if verbose else f.key[:16], f.reason_class, str(f.attempts),
+             f.next_retry_str(), format_age(f.time), f.reason if verbose else f.reason[:100])
+            for f in s.failures]))
     click.echo(
         f"\n{len(s.entries)} entries, {s.size_on_disk_str} on disk, {len(s.orphan_blobs)} orphan "
         f"blobs, {s.hits} hits / {s.misses} misses, {len(s.failures)} given up, "
