@@ -241,6 +241,23 @@ def config_values() -> dict[str, Any]:
             for name, value in sorted(settings.items()) if not _denied(name)}
 
 
+def config_pristine() -> bool:
+    """Whether this process's Inductor config holds no in-process change — only defaults,
+    TORCHINDUCTOR_* variables and aotc's fixed config — so its values may be remembered for other
+    processes of the same toolchain and environment. True when Inductor's config is not imported
+    (nothing can have changed it); False when torch's config module cannot say (feature-checked
+    ``_is_default``)."""
+    import sys
+
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:
+        return True
+    is_default, entries = getattr(config, "_is_default", None), getattr(config, "_config", None)
+    if not callable(is_default) or not isinstance(entries, dict):
+        return False
+    return all(is_default(name) for name in entries if name not in _FIXED_CONFIG)
+
+
 def _same(value: Any) -> Any:
     return value
 

@@ -57,6 +57,7 @@ def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | 
         "toolchain": machine["toolchain"],
         # live values: a framework may patch Inductor's config around the compile (vLLM does)
         "inductor": inductor_factors(dict(config.inductor), inductor_facts.config_values(), device),
+        "global": machine["global"],  # torch's process-wide settings (aotc._torch.global_factors)
         "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash(), "kind": "graph"},
         "backend": {"splitting_ops": sorted(config.ops(settings)),
                     "compile_sizes": list(config.sizes(settings))},

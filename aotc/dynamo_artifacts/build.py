@@ -86,9 +86,10 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     inputs = [example_input(v, f"example_inputs[{i}]") for i, v in enumerate(example_inputs)]
     tiered = context.open_tiered(create=True)
     _check_signable(tiered, context, identity)
+    dev = device or device_of(target)
     try:
-        probe = probe_for(identity, name, machine_factors(device or device_of(target), tiered.local.base / "toolchain"),
-                          dynamic, backend_options)
+        probe = probe_for(identity, name, machine_factors(dev, tiered.local.base / "toolchain"),
+                          dynamic, backend_options, dev)
     except TypeError as e:
         raise PrecompileError(f"{identity}: {e}") from e
     backend_kwargs = {"store": store, "remote": remote, "trust": trust, "name": name, **backend_options}

@@ -27,7 +27,7 @@ from typing import Any
 
 from aotc.lookup.compile_logic import compile_logic_hash
 from aotc.lookup.filehash import file_sha256, is_toolchain_file
-from aotc.lookup.resolve import Probe
+from aotc.lookup.resolve import Probe, inductor_factors
 from aotc.records.key import FORMAT_VERSION
 
 __all__ = ["KIND", "RECORDED", "ROLE_PREFIX", "base_factors", "device_of", "full_factors", "input_specs",
@@ -90,22 +90,26 @@ def _canonical_options(options: dict[str, Any]) -> Any:
 
 
 def base_factors(identity: str, name: str, machine: dict[str, Any], dynamic: bool | None = None,
-                 options: dict[str, Any] | None = None) -> dict[str, Any]:
+                 options: dict[str, Any] | None = None, device: str = "cpu") -> dict[str, Any]:
     """Every factor known before a trace (module doc); ``machine``:
-    :func:`aotc.lookup.toolchain.machine_factors`; ``dynamic`` and the backend ``options`` as
-    ``precompile`` was given them (they change what is traced and compiled)."""
+    :func:`aotc.lookup.toolchain.machine_factors` for ``device``; ``dynamic`` and the backend
+    ``options`` as ``precompile`` was given them (they change what is traced and compiled). The
+    Inductor settings and torch's process-wide settings enter too: the stored code calls graph
+    entries by the keys they had under them."""
     from aotc._torch.precompile import dynamo_config_values
 
     return {"precompiled": {"target": identity, "name": name, "dynamic": dynamic,
                             "backend": _canonical_options(options or {})},
             "toolchain": machine["toolchain"], "dynamo": dynamo_config_values(),
+            "inductor": inductor_factors({}, machine["inductor_values"], device),
+            "global": machine["global"],
             "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash(), "kind": KIND}}
 
 
 def probe_for(identity: str, name: str, machine: dict[str, Any], dynamic: bool | None = None,
-              options: dict[str, Any] | None = None) -> Probe:
-    """The lookup of a precompiled ``identity`` named ``name`` on ``machine``."""
-    return Probe(name, base_factors(identity, name, machine, dynamic, options), recorded=RECORDED)
+              options: dict[str, Any] | None = None, device: str = "cpu") -> Probe:
+    """The lookup of a precompiled ``identity`` named ``name`` on ``machine`` (for ``device``)."""
+    return Probe(name, base_factors(identity, name, machine, dynamic, options, device), recorded=RECORDED)
 
 
 def _module_file(module: str) -> str | None:

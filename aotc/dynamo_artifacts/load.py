@@ -121,8 +121,8 @@ def _find_and_load(target: Callable[..., Any], identity: str, module: str, name:
         _log.info(f"aotc: precompiled {identity}: a trust policy is set and this process has no trusted "
                   "signing key: nothing is precompiled here (set AOTC_SIGNING_KEY)")
         build = None
-    probe = probe_for(identity, name, machine_factors(device or device_of(target), tiered.local.base / "toolchain"),
-                      dynamic, options)
+    dev = device or device_of(target)
+    probe = probe_for(identity, name, machine_factors(dev, tiered.local.base / "toolchain"), dynamic, options, dev)
     found = tiered.find_probe(probe, wait=False)
     if found.entry is None:
         why = "; ".join(d.describe() for d in found.diffs)[:300] or "none stored"

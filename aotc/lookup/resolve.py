@@ -49,13 +49,15 @@ def inductor_factors(patches: dict[str, Any], values: dict[str, Any], device: st
 
 
 def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
-    """Every key factor but ``code``: manifest, toolchain, Inductor settings, aotc's format and
-    compile-logic hash. ``machine`` is ``aotc.lookup.toolchain.machine_factors(...)``."""
+    """Every key factor but ``code``: manifest, toolchain, Inductor settings, torch's process-wide
+    settings (``global``), aotc's format and compile-logic hash. ``machine`` is
+    ``aotc.lookup.toolchain.machine_factors(...)``."""
     m = manifest.key_factors()
     m.pop("inductor", None)
     return {"manifest": m, "toolchain": machine["toolchain"],
             "inductor": inductor_factors(thaw(manifest.inductor), machine["inductor_values"],
                                           manifest.device),
+            "global": machine["global"],
             "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash()}}
 
 

@@ -34,6 +34,14 @@ def codegen_env() -> dict[str, str]:
             and not any(k.endswith(sfx) or f"_{sfx}_" in k for sfx in _ENV_IGNORE)}
 
 
+def _fingerprint_env() -> dict[str, str]:
+    """Every variable torch's compile stack may read (thread counts included: Inductor's config
+    reads TORCHINDUCTOR_CPP_DYNAMIC_THREADS), locations aside: what the memo's values depend on."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(("TORCHINDUCTOR_", "TORCH_", "TORCHDYNAMO_", "PYTORCH_"))
+            and not k.endswith(("DIR", "PATH", "_HOME"))}
+
+
 def _stat(path: str | None) -> list[Any]:
     if not path:
         return [None]
@@ -68,66 +76,95 @@ def fingerprint(device: str) -> str:
         "triton": _stat(triton.origin if triton else None),
         "cxx": [cxx, *_stat(shutil.which(cxx))],
         "cpu": _cpu_identity(),
-        "env": codegen_env(),  # not the cache dir: one memo serves every Inductor cache dir
+        "env": _fingerprint_env(),  # not the cache dir: one memo serves every Inductor cache dir
         "device": device.split(":")[0],
         # how the memo's values are computed: a new aotc (another set of keyed settings) recomputes
-        "facts": _stat(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_torch",
-                                    "inductor_facts.py")),
+        "facts": [_stat(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_torch", name))
+                  for name in ("inductor_facts.py", "global_factors.py")],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
 def machine_factors(device: str, memo_dir: Path | None = None) -> dict[str, Any]:
-    """``{"toolchain": …, "inductor_values": …}`` for this machine: the toolchain factors
-    (``aotc._torch.inductor_facts.toolchain_factors``) and the unpatched code-changing Inductor settings
-    (``aotc._torch.inductor_facts.config_values``), from the memo when its fingerprint matches, else computed
-    (importing Inductor) and remembered."""
-    from aotc._torch import inductor_facts
+    """``{"toolchain": …, "inductor_values": …, "global": …}`` for this machine and process: the
+    toolchain factors (``aotc._torch.inductor_facts.toolchain_factors``), the unpatched
+    code-changing Inductor settings (``inductor_facts.config_values``) and the process-wide torch
+    settings Inductor's own cache keys (``aotc._torch.global_factors``: read live at every call).
 
-    def compute() -> dict[str, Any]:
-        return {"toolchain": inductor_facts.toolchain_factors(device),
-                "inductor_values": inductor_facts.config_values()}
+    The toolchain factors and the list of torch's hash-detail fields come from the memo when its
+    fingerprint matches, else are computed (importing Inductor) and remembered. Inductor's
+    settings come from the memo only while this process has not imported Inductor's config (so
+    nothing in it can have changed one in-process); once it has, they are read live (3 ms), and
+    the memo only ever takes values read from a config with no in-process change
+    (``inductor_facts.config_pristine``): one process's ``config.x = y`` is never another's key."""
+    import sys
 
-    if memo_dir is None:
-        return compute()
-    path = memo_dir / f"{fingerprint(device)}.json"
-    try:
-        memo = json.loads(path.read_text())
-    except (OSError, ValueError):
-        memo = None
-    if not (isinstance(memo, dict) and {"toolchain", "inductor_values"} <= set(memo)):
-        memo = compute()
+    from aotc._torch import global_factors, inductor_facts
+
+    pristine = inductor_facts.config_pristine()  # before anything here imports Inductor's config
+    imported = "torch._inductor.config" in sys.modules
+    path = None if memo_dir is None else memo_dir / f"{fingerprint(device)}.json"
+    memo: Any = None
+    if path is not None:
         try:
-            memo_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            saved = {"toolchain": {k: v for k, v in memo["toolchain"].items() if k not in _GPU_FIELDS},
-                     "inductor_values": memo["inductor_values"]}
-            tmp.write_text(json.dumps(saved, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only store: no memo, same factors
-        return memo
-    if device.startswith("cuda"):  # the GPU is not in the fingerprint: read it live
+            memo = json.loads(path.read_text())
+        except (OSError, ValueError):
+            memo = None
+    dirty = False
+    if not (isinstance(memo, dict) and {"toolchain", "global_fields"} <= set(memo)):
+        memo = {"toolchain": inductor_facts.toolchain_factors(device),
+                "global_fields": global_factors.hash_detail_fields()}
+        dirty = True
+    elif device.startswith("cuda"):  # the GPU is not in the fingerprint: read it live
         live = inductor_facts.toolchain_factors(device)
         memo["toolchain"].update({k: v for k, v in live.items() if k in _GPU_FIELDS})
-    return memo
+    if imported or "inductor_values" not in memo:
+        values = inductor_facts.config_values()  # live: 3 ms once Inductor's config is imported
+        if pristine and memo.get("inductor_values") != values:
+            memo["inductor_values"] = values
+            dirty = True
+    else:
+        values = memo["inductor_values"]
+    if dirty and path is not None:
+        _write_memo(path, memo)
+    return {"toolchain": memo["toolchain"], "inductor_values": values,
+            "global": global_factors.global_factors(memo["global_fields"])}
+
+
+def _write_memo(path: Path, memo: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        saved = {**memo, "toolchain": {k: v for k, v in memo["toolchain"].items() if k not in _GPU_FIELDS}}
+        tmp.write_text(json.dumps(saved, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only store: no memo, same factors
 
 
 def check_built_here(entry: Any, memo_dir: Path | None) -> None:
     """Raise ``LoadError`` unless ``entry`` was built with this machine's toolchain (compiler,
-    CPU ISA or GPU, torch, Python) and this aotc's compile logic — the check for an entry
+    CPU ISA or GPU, torch, Python), under this process's torch settings (``global``: matmul
+    precision, deterministic algorithms …) and with this aotc's compile logic — the check for an entry
     loaded by key alone (``aotc.load(key=…)``, a saved backend record), whose key this process
     did not compute from its own toolchain. ``memo_dir``: the store's toolchain memo."""
     from aotc.errors import LoadError
     from aotc.lookup.compile_logic import compile_logic_hash
 
     device = str(entry.metadata.get("device") or "cpu")
-    mine: dict[str, Any] = machine_factors(device, memo_dir)["toolchain"]
+    machine = machine_factors(device, memo_dir)
+    mine: dict[str, Any] = machine["toolchain"]
     theirs = entry.factors.get("toolchain") or {}
     if theirs != mine:
         differ = sorted(k for k in set(mine) | set(theirs) if theirs.get(k) != mine.get(k))
         raise LoadError(f"stored entry {entry.key[:16]}… ({entry.name}) was built for another machine "
                         f"(toolchain differs in {', '.join(differ[:4])}); compile it here")
+    if "global" in entry.factors and entry.factors["global"] != machine["global"]:
+        from aotc.records.key import explain
+
+        differ = [d.path for d in explain(entry.factors["global"], machine["global"])]
+        raise LoadError(f"stored entry {entry.key[:16]}… ({entry.name}) was built under other torch "
+                        f"settings ({', '.join(differ[:3])} differ); compile it in this process's settings")
     if (entry.factors.get("aotc") or {}).get("compile_logic") != compile_logic_hash():
         raise LoadError(f"stored entry {entry.key[:16]}… ({entry.name}) was built by another aotc "
                         "version; compile it again")

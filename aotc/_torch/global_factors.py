@@ -1,0 +1,192 @@
+"""The key's ``global`` group: the process-wide torch settings that change what Inductor
+generates, taken from Inductor's own FX graph cache key (``FxGraphHashDetails`` in
+``torch/_inductor/codecache.py``) so that a setting torch starts hashing is keyed by aotc with no
+change here.
+
+An ``FxGraphHashDetails`` made for an empty graph lists the fields torch hashes in this process
+(:func:`hash_detail_fields`; it imports Inductor, so the list is remembered per toolchain in the
+store's toolchain memo). Each field is one of:
+
+* keyed elsewhere in aotc's key (:data:`KEYED_ELSEWHERE`: the graph, Inductor's settings, the
+  toolchain), or left out on purpose (:data:`DENIED`), each with its reason;
+* read here by :data:`READERS` without importing Inductor (the warm start must not), spelled by
+  setting name so ``aotc explain`` names the one that differs;
+* any other field — one a newer torch added — read from a real ``FxGraphHashDetails`` (importing
+  Inductor) and keyed as it is: a new global factor enters the key unasked. A value with no
+  stable spelling is a ``TypeError``, never skipped.
+
+Beside torch's own fields, :data:`EXTRA_READERS` keys settings Inductor reads while generating
+code that its cache key leaves out: oneDNN's fp32 precision (``pad_mm`` on CPU reads
+``torch.backends.mkldnn.fp32_precision``; ``set_float32_matmul_precision("medium")`` sets the
+oneDNN matmul precision to bf16) and cuDNN's TF32 flags (Inductor's Triton conv templates bake
+``ALLOW_TF32`` from them). ``tests/test_global_factors.py`` reads every ``self.X =`` of
+``FxGraphHashDetails.__init__`` and fails when one is neither read, keyed elsewhere nor denied.
+
+Tested on torch 2.13 (CPU); written for 2.11–2.13 (fields feature-checked).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["DENIED", "EXTRA_READERS", "KEYED_ELSEWHERE", "READERS", "global_factors", "hash_detail_fields"]
+
+_GRAPH = "the graph itself: aotc's graph key (backend) or the manifest and traced code (manifest)"
+_INDUCTOR = "Inductor's settings: the key's inductor.values (aotc._torch.inductor_facts.config_values)"
+
+# FxGraphHashDetails fields aotc keys in another group of its key.
+KEYED_ELSEWHERE: dict[str, str] = {
+    "gm": _GRAPH,
+    "example_inputs": _GRAPH + "; inputs' dtypes, shapes and strides",
+    "user_defined_triton_source": _GRAPH + " (a user Triton kernel's source is traced code)",
+    "fx_kwargs": "compile_fx's arguments: fixed by aotc's compile (inference, the piece's role)",
+    "inputs_to_check": "which inputs compile_fx aligns: derived from the graph's inputs",
+    "inductor_config": _INDUCTOR,
+    "inductor_config_comms": _INDUCTOR + " (config_comms.*)",
+    "provenance_tracking_level": _INDUCTOR + " (trace.provenance_tracking_level)",
+    "pre_grad_custom_pass": _INDUCTOR + " (by the pass's uuid())",
+    "post_grad_custom_pre_pass": _INDUCTOR + " (by the pass's uuid())",
+    "post_grad_custom_post_pass": _INDUCTOR + " (by the pass's uuid())",
+    "joint_custom_pre_pass": _INDUCTOR + " (by the pass's uuid())",
+    "joint_custom_post_pass": _INDUCTOR + " (by the pass's uuid())",
+    "_pre_fusion_custom_pass": _INDUCTOR + " (by the pass's uuid())",
+    "_fuse_ddp_communication_passes": _INDUCTOR,
+    "_post_fusion_custom_pass": _INDUCTOR,
+    "_custom_partitioner_fn": _INDUCTOR + " (custom_partitioner_fn)",
+    "torch_version": "the toolchain's torch_key",
+    "system_info": "the toolchain: device, GPU, CUDA/HIP and Triton versions, compiler",
+    "cpp_runtime_thread_count": "the key's inductor.cpu_threads (the thread count C++ kernels are written for)",
+    "default_cuda_device_index": "the graph's device (a graph with no tensor input on an accelerator)",
+}
+
+# FxGraphHashDetails fields aotc leaves out on purpose.
+DENIED: dict[str, str] = {
+    "cudagraph_override": "CUDA graphs are applied by aotc's loader, never by Inductor's compile",
+    "cudagraph_annotation": "CUDA graphs are applied by aotc's loader, never by Inductor's compile",
+    "precompile_enabled": "functorch's bundled_autograd_cache: aotc compiles through standalone_compile, which "
+                          "sets it itself (torch's AOT compile patches it around the backend call)",
+    "var_to_hint_override": "a graph's own symbol hints (mark_dynamic's hint_override) from the compile's "
+                            "shape env, empty outside one; aotc's graph key records the symbols and ranges",
+}
+
+
+def _deterministic() -> dict[str, Any]:
+    det = getattr(torch.utils, "deterministic", None)
+    return {"torch.are_deterministic_algorithms_enabled": torch.are_deterministic_algorithms_enabled(),
+            "torch.is_deterministic_algorithms_warn_only_enabled":
+                torch.is_deterministic_algorithms_warn_only_enabled(),
+            "torch.utils.deterministic.fill_uninitialized_memory":
+                getattr(det, "fill_uninitialized_memory", None)}
+
+
+def _cuda_matmul() -> dict[str, Any]:
+    m = torch.backends.cuda.matmul
+    return {"torch.backends.cuda.matmul.fp32_precision": getattr(m, "fp32_precision", None),
+            "torch.backends.cuda.matmul.allow_tf32": m.allow_tf32,
+            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction":
+                m.allow_fp16_reduced_precision_reduction,
+            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction":
+                m.allow_bf16_reduced_precision_reduction}
+
+
+def _mkldnn() -> dict[str, Any]:
+    mk = torch.backends.mkldnn
+    return {"torch.backends.mkldnn.fp32_precision": getattr(mk, "fp32_precision", None),
+            "torch.backends.mkldnn.matmul.fp32_precision": getattr(getattr(mk, "matmul", None), "fp32_precision", None),
+            "torch.get_float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def _cudnn() -> dict[str, Any]:
+    cd = torch.backends.cudnn
+    return {"torch.backends.cudnn.fp32_precision": getattr(cd, "fp32_precision", None),
+            "torch.backends.cudnn.allow_tf32": cd.allow_tf32}
+
+
+def _backend_registry(name: str) -> Any:
+    """Inductor's registry of out-of-tree device backends' passes / codegen configs, as the
+    uuids and portable configs of those set. A process that has not imported Inductor's codegen
+    has registered none: it is read as empty then, without importing it (the warm start)."""
+    import sys
+
+    common = sys.modules.get("torch._inductor.codegen.common")
+    registry = getattr(common, name, None) or {}
+    if name == "custom_backend_passes":
+        return sorted(_canonical(p.uuid(), name) for p in registry.values() if p is not None)
+    return {dev: cfg.save_config_portable(ignore_private_configs=False)
+            for dev, cfg in sorted(registry.items()) if cfg is not None}
+
+
+# torch's fields read here, each as the settings it is made of (torch reads them the same way).
+READERS: dict[str, Callable[[], Any]] = {
+    "deterministic_algorithms_settings": _deterministic,
+    "cuda_matmul_settings": _cuda_matmul,
+    "default_dtype": lambda: str(torch.get_default_dtype()),
+    "cache_key_tag": lambda: _compiler_config("cache_key_tag"),
+    "custom_backend_passes": lambda: _backend_registry("custom_backend_passes"),
+    "custom_backend_codegen_configs": lambda: _backend_registry("custom_backend_codegen_configs"),
+}
+
+# Settings Inductor's codegen reads that its own cache key does not hash (module doc).
+EXTRA_READERS: dict[str, Callable[[], Any]] = {"mkldnn": _mkldnn, "cudnn": _cudnn}
+
+
+def _compiler_config(name: str) -> Any:
+    config = getattr(torch, "compiler", None)
+    return getattr(getattr(config, "config", None), name, None)
+
+
+def hash_detail_fields() -> list[str]:
+    """The fields of ``FxGraphHashDetails`` for an empty graph in this process, sorted (imports
+    Inductor's code cache: callers remember the list per toolchain)."""
+    return sorted(vars(_details()))
+
+
+def _details() -> Any:
+    from torch._inductor.codecache import FxGraphHashDetails
+
+    return FxGraphHashDetails(None, [], {}, [])
+
+
+def _canonical(value: Any, name: str) -> Any:
+    """``value`` as JSON-able data equal in every process, else ``TypeError``."""
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TypeError(f"torch global setting {name}: non-finite {value!r} has no canonical form")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {str(k): _canonical(v, f"{name}.{k}") for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    raise TypeError(f"torch global setting {name}: {type(value).__name__} ({value!r:.60}) has no stable "
+                    "spelling for aotc's key; add a reader to aotc._torch.global_factors.READERS or deny it")
+
+
+def global_factors(fields: list[str]) -> dict[str, Any]:
+    """The ``global`` key group for this process, now: each of torch's hash-detail ``fields``
+    (:func:`hash_detail_fields`) that aotc keys in no other group, plus :data:`EXTRA_READERS`.
+    Fields this module knows are read without importing Inductor; an unknown one (a newer
+    torch's) from a real ``FxGraphHashDetails``."""
+    out: dict[str, Any] = {}
+    details: Any = None
+    for name in fields:
+        if name in KEYED_ELSEWHERE or name in DENIED:
+            continue
+        if name in READERS:
+            out[name] = _canonical(READERS[name](), name)
+            continue
+        if details is None:
+            details = _details()
+        if hasattr(details, name):
+            out[name] = _canonical(getattr(details, name), name)
+    for name, read in EXTRA_READERS.items():
+        out[name] = _canonical(read(), name)
+    return out
