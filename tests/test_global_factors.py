@@ -1,0 +1,112 @@
+"""The key's ``global`` group follows torch's own: every field Inductor's FX graph cache hashes
+(``FxGraphHashDetails.__init__``'s ``self.X = …``) is read by aotc, keyed in another group, or
+denied with a reason — a field torch adds fails this test until it is one of those; the values
+aotc reads equal torch's; and a changed setting is named by ``explain``."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+
+from aotc._torch import global_factors as gf
+from aotc.records.key import explain
+
+
+def _fields_in_source() -> set[str]:
+    """Every attribute ``FxGraphHashDetails.__init__`` may set, conditional ones included."""
+    from torch._inductor.codecache import FxGraphHashDetails
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(FxGraphHashDetails.__init__)))
+    return {t.attr for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def test_every_field_torch_hashes_is_read_keyed_elsewhere_or_denied() -> None:
+    fields = _fields_in_source()
+    assert len(fields) > 10  # the parse sees the fields
+    unaccounted = fields - set(gf.READERS) - set(gf.KEYED_ELSEWHERE) - set(gf.DENIED)
+    assert unaccounted == set(), f"FxGraphHashDetails fields aotc neither keys nor denies: {sorted(unaccounted)}"
+
+
+def test_every_reason_names_a_field_torch_has() -> None:
+    """No stale entries: each field aotc accounts for is still one torch sets (or a custom-pass
+    field of another torch version in the 2.11-2.13 range)."""
+    stale = (set(gf.READERS) | set(gf.DENIED)) - _fields_in_source()
+    assert stale == set()
+
+
+def _torch_values() -> dict[str, object]:
+    from torch._inductor.codecache import FxGraphHashDetails
+
+    return vars(FxGraphHashDetails(None, [], {}, []))
+
+
+@pytest.mark.parametrize("change", ["default", "medium", "tf32", "deterministic", "reductions"])
+def test_aotcs_readers_see_what_torch_hashes(change: str) -> None:
+    """Each field read without Inductor holds the values torch's own key holds, in each state."""
+    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+             torch.are_deterministic_algorithms_enabled(),
+             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+    try:
+        if change == "medium":
+            torch.set_float32_matmul_precision("medium")
+        elif change == "tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        elif change == "deterministic":
+            torch.use_deterministic_algorithms(True)
+        elif change == "reductions":
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        theirs = _torch_values()
+        ours = gf.global_factors(gf.hash_detail_fields())
+        assert list(ours["deterministic_algorithms_settings"].values()) == list(theirs["deterministic_algorithms_settings"])
+        m = ours["cuda_matmul_settings"]
+        assert (m["torch.backends.cuda.matmul.fp32_precision"],
+                m["torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction"],
+                m["torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"]) == theirs["cuda_matmul_settings"]
+        assert ours["default_dtype"] == str(theirs["default_dtype"])
+        assert ours["cache_key_tag"] == theirs["cache_key_tag"]
+        assert ours["custom_backend_passes"] == [] and ours["custom_backend_codegen_configs"] == {}
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cuda.matmul.allow_tf32 = saved[1]
+        torch.use_deterministic_algorithms(saved[2])
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = saved[3]
+
+
+def test_a_field_torch_adds_is_keyed_unasked() -> None:
+    """A field aotc has no reader for (here: one pretended new, its reader taken away) is read from
+    torch's own object and keyed as it is; a field keyed elsewhere stays out."""
+    details = _torch_values()
+    readers = dict(gf.READERS)
+    try:
+        del gf.READERS["cache_key_tag"]
+        out = gf.global_factors(gf.hash_detail_fields())
+    finally:
+        gf.READERS.clear()
+        gf.READERS.update(readers)
+    assert out["cache_key_tag"] == details["cache_key_tag"]
+    assert "torch_version" not in out and "inductor_config" not in out
+
+
+def test_a_value_with_no_stable_spelling_raises() -> None:
+    with pytest.raises(TypeError, match="no stable"):
+        gf._canonical(object(), "x")
+
+
+def test_explain_names_the_setting_that_differs() -> None:
+    fields = gf.hash_detail_fields()
+    before = gf.global_factors(fields)
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        after = gf.global_factors(fields)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    paths = {d.path for d in explain({"global": before}, {"global": after})}
+    assert "global.cuda_matmul_settings.torch.backends.cuda.matmul.fp32_precision" in paths
+    assert "global.mkldnn.torch.backends.mkldnn.matmul.fp32_precision" in paths
