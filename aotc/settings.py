@@ -22,7 +22,7 @@ nothing else in aotc reads an ``AOTC_*`` variable (a layout test holds it).
 | ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
 | ``AOTC_VLLM_RECORDS`` | ``vllm_records`` | ``0``: aotc's vLLM plugin leaves vLLM's AOT cache alone (no shipped record is brought in, none vLLM saves is stored; :mod:`aotc.vllm.plugin`) |
-| ``AOTC_MERGE`` | ``merge`` | ``0``: the backend compiles no merged program of a split CPU graph and serves none (:mod:`aotc.backend.merged`; default on) |
+| ``AOTC_MERGE`` | ``merge`` | ``1``: the backend compiles a merged program of each split CPU graph in a background child and serves it at later starts (:mod:`aotc.backend.merged`; default off: the child outlives the call that started it, so the operator asks for it) |
 | ``AOTC_FALLBACK`` | ``fallback`` | what a graph the backend cannot serve (unkeyable, a failed compile or numeric check, a damaged entry) falls back to: ``inductor`` (default), ``eager``, or ``error`` to raise (CI, tests) |
 """
 
@@ -73,7 +73,7 @@ class Settings:
     lease_ttl: float = 60.0  # seconds a compile lease lives without a heartbeat
     lease_wait: float = 1800.0  # the most seconds a process waits for another's lease
     oci_insecure: bool = False  # plain HTTP to an oci:// registry
-    merge: bool = True  # the backend's merged programs of split CPU graphs (aotc.backend.merged)
+    merge: bool = False  # opt-in (a background child outlives the call that started it): the backend's merged programs of split CPU graphs (aotc.backend.merged)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -104,7 +104,7 @@ class Settings:
             lease_ttl=_seconds(text["lease_ttl"], "lease_ttl", 60.0),
             lease_wait=_seconds(text["lease_wait"], "lease_wait", 1800.0),
             oci_insecure=_flag(text["oci_insecure"], False),
-            merge=_flag(text["merge"], True),
+            merge=_flag(text["merge"], False),
         )
 
     @property

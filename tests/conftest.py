@@ -14,6 +14,24 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPERS = ROOT / "tests" / "helpers"
 
 
+@pytest.fixture(autouse=True)
+def _quick_tests_compile_nothing(request):
+    """A test not marked ``slow`` (``make test-quick``) compiles nothing in this process: it fails
+    when aotc compiled a piece or Inductor compiled a graph while it ran (a child process that
+    compiles is the slow mark's business too: such tests start children from this process's
+    helpers, which are all marked)."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    from aotc._torch.inductor_facts import counters_snapshot
+
+    before = counters_snapshot()
+    yield
+    after = counters_snapshot()
+    compiled = {k: after[k] - before[k] for k in ("compiles", "inductor_compiles") if after[k] != before[k]}
+    assert not compiled, f"a test not marked slow compiled ({compiled}): mark it @pytest.mark.slow"
+
+
 @pytest.fixture
 def store(tmp_path: Path):
     """A fresh, empty store in a temp dir (real sqlite, real zstd)."""
@@ -23,11 +41,6 @@ def store(tmp_path: Path):
     yield s
     s.close()
 
-
-# The backend's merged programs (aotc.backend.merged) are off for the session: a child compiling
-# on after its test ended would write into a temp store being removed, and entries would appear in
-# stores that tests count. tests/test_merged.py turns them on per backend (merge=True).
-os.environ["AOTC_MERGE"] = "0"
 
 # The environment as the session found it. Importing vLLM (or building its engine config) sets
 # variables in this process — TORCHINDUCTOR_CPP_DYNAMIC_THREADS, LD_PRELOAD, KMP_* — that change

@@ -173,6 +173,7 @@ def test_a_bad_vllm_manifest_names_the_field(tmp_path: Path) -> None:
     assert "vllm.max_model_len: must be a positive integer" in res.stderr
 
 
+@pytest.mark.slow  # its fallback is an Inductor compile
 def test_a_miss_under_a_trust_policy_refuses_before_compiling(tmp_path: Path, caplog,
                                                                monkeypatch) -> None:
     """An entry compiled here would be unsigned, so the policy would refuse it after minutes of

@@ -77,7 +77,7 @@ MUST_MISS: list[tuple[str, dict[str, str], str]] = [
     ("dtype-f64", {}, ""),
     ("none", {"TORCHINDUCTOR_FREEZING": "1"}, "inductor.env.TORCHINDUCTOR_FREEZING"),
     ("none", {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}, "inductor.env.TORCHINDUCTOR_MAX_AUTOTUNE"),
-    ("none", {"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}, "inductor.env.TORCHINDUCTOR_CPP_DYNAMIC_THREADS"),
+    ("none", {"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}, "inductor.values.cpp.dynamic_threads"),
 ]
 
 

@@ -1,7 +1,7 @@
 """A split CPU graph's merged program (aotc.backend.merged): compiled whole in a forked child
 after the pieces serve, stored beside them, served instead of them by a later start. Real
-forks, real compiles, a fresh process for the later start. The session runs with AOTC_MERGE=0
-(conftest); these tests turn it on per backend (``merge=True``)."""
+forks, real compiles, a fresh process for the later start. Merging is off by default (AOTC_MERGE);
+these tests turn it on per backend (``merge=True``)."""
 
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ def merged_store(tmp_path_factory):
     yield store, pieces.key, merged_key(pieces.factors), {"last": second.last, "seconds": started_in}
 
 
+@pytest.mark.slow
 def test_a_hit_without_a_merged_program_compiles_one_in_the_background(merged_store) -> None:
     from aotc.cache import Store
 
@@ -105,6 +106,7 @@ def test_a_hit_without_a_merged_program_compiles_one_in_the_background(merged_st
     assert entry.factors["backend"]["splitting_ops"] == []
 
 
+@pytest.mark.slow
 def test_a_later_start_serves_the_merged_program_and_compiles_nothing(merged_store) -> None:
     store, pieces_key, key, _ = merged_store
     res = _later_start(store, merge=True)
@@ -112,22 +114,26 @@ def test_a_later_start_serves_the_merged_program_and_compiles_nothing(merged_sto
     assert res["last"]["merged"] == key and res["compiles"] == 0 and res["err"] < 1e-4
 
 
+@pytest.mark.slow
 def test_merge_off_serves_the_pieces(merged_store) -> None:
     store, pieces_key, _, _ = merged_store
     res = _later_start(store, merge=False)
     assert res["last"]["hit"] is True and "merged" not in res["last"] and res["err"] < 1e-4
 
 
+@pytest.mark.slow
 def test_a_saved_record_loads_the_merged_program(merged_store) -> None:
     from aotc.backend.compiled import load_graph_program
     from aotc.context import Context
 
     store, pieces_key, _, _ = merged_store
-    assert len(load_graph_program(pieces_key, Context(store=str(store))).program.pieces) == 1
-    off = Context.from_env({"AOTC_MERGE": "0"}, store=str(store))
+    on = Context.from_env({"AOTC_MERGE": "1"}, store=str(store))
+    assert len(load_graph_program(pieces_key, on).program.pieces) == 1
+    off = Context.from_env({}, store=str(store))  # the default
     assert len(load_graph_program(pieces_key, off).program.pieces) > 1
 
 
+@pytest.mark.slow
 def test_a_damaged_merged_program_is_skipped_and_the_pieces_serve(merged_store, tmp_path: Path) -> None:
     import shutil
 
@@ -146,6 +152,7 @@ def test_a_damaged_merged_program_is_skipped_and_the_pieces_serve(merged_store, 
     assert f"merged program {key[:16]}" in res["stderr"] and "the pieces serve" in res["stderr"]
 
 
+@pytest.mark.slow
 def test_the_merged_program_is_pushed_and_a_new_node_pulls_it_with_the_pieces(s3, tmp_path: Path) -> None:
     """The exec'd ingest pushes what it stores to the remote; a node with an empty local store
     pulls the pieces and, with them, the merged program, and serves that."""
@@ -167,6 +174,7 @@ def test_the_merged_program_is_pushed_and_a_new_node_pulls_it_with_the_pieces(s3
     assert res["compiles"] == 0 and res["err"] < 1e-4
 
 
+@pytest.mark.slow
 def test_the_merge_child_does_not_hold_the_caller_and_a_failure_is_remembered(tmp_path: Path) -> None:
     """A real fork: the caller is back at once; the child's output goes to its log, not to the
     caller's stdout/stderr; a second asker starts none while it runs; its failure is remembered
@@ -229,6 +237,7 @@ def test_merge_is_a_setting_and_an_argument() -> None:
     from aotc.backend.config import BackendConfig
     from aotc.settings import Settings
 
-    assert Settings.from_env({}).merge is True and Settings.from_env({"AOTC_MERGE": "0"}).merge is False
-    assert BackendConfig().merges(Settings.from_env({"AOTC_MERGE": "0"})) is False
+    assert Settings.from_env({}).merge is False and Settings.from_env({"AOTC_MERGE": "1"}).merge is True
+    assert BackendConfig().merges(Settings.from_env({})) is False  # opt-in: the child outlives its caller
+    assert BackendConfig().merges(Settings.from_env({"AOTC_MERGE": "1"})) is True
     assert aotc.backend(merge=True).config.merges(Settings.from_env({"AOTC_MERGE": "0"})) is True

@@ -199,6 +199,7 @@ def test_a_function_held_by_the_model_is_checked_by_name(tmp_path: Path) -> None
         assert "L['self'].act is torch._VariableFunctionsClass.sigmoid, not" in loaded.last_miss, loaded.last_miss
 
 
+@pytest.mark.slow  # the traced path it falls back to compiles
 def test_code_with_no_source_file_is_refused(tmp_path: Path) -> None:
     """A module shipped as .pyc only: its code cannot be keyed by a source hash, so it is not
     stored (it could change under the same key). Dynamo itself cannot record its source (torch

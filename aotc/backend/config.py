@@ -110,7 +110,7 @@ class BackendConfig:
     mode: str | None = None
     graphs: bool = False  # CUDA graphs asked for (mode="reduce-overhead"/"max-autotune")
     fallback: str | None = None  # None: AOTC_FALLBACK, else "inductor"
-    merge: bool | None = None  # None: AOTC_MERGE (default on); aotc.backend.merged
+    merge: bool | None = None  # None: AOTC_MERGE (default off); aotc.backend.merged
 
     @classmethod
     def make(cls, store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
@@ -182,7 +182,7 @@ class BackendConfig:
         return self.fallback or fallback_policy(settings.fallback)
 
     def merges(self, settings: Settings) -> bool:
-        """Whether split CPU graphs get merged programs: given, else ``AOTC_MERGE`` (default on)."""
+        """Whether split CPU graphs get merged programs: given, else ``AOTC_MERGE`` (default off)."""
         return settings.merge if self.merge is None else self.merge
 
     def ops(self, settings: Settings) -> tuple[str, ...]:

@@ -14,8 +14,8 @@ backend gives the graph with no splitting ops (the pieces' factors with ``backen
 empty: what ``aotc.backend(splitting_ops=[])`` stores). A later start that finds it serves it
 instead of the pieces; the first start is never slowed or made to wait (the pieces serve it
 meanwhile). A start that loads the pieces and finds no merged program (they were stored with
-``AOTC_MERGE=0``, or pulled from a remote that has no merged program) starts the same child. A
-merge that fails is remembered (:mod:`aotc.backend.given_up`) and not tried again by this aotc;
+merging off, or pulled from a remote that has no merged program) starts the same child. A
+merge that fails is remembered (:mod:`aotc.backend.given_up`, retried with backoff);
 a damaged merged entry is skipped with one line and the pieces serve. Whatever goes wrong in
 starting a merge is one warning line: the graph is served by its pieces all the same.
 
@@ -24,9 +24,10 @@ before it have none): a graph that was not split (nothing to merge), a training 
 whose splitting op writes into a buffer the graph allocates (vLLM's attention: the check zeroes
 that buffer before the op, which it cannot do inside a whole compiled graph, so such a program
 could not be checked); nor a graph on another device than the CPU (CUDA graphs want the pieces;
-a CUDA context does not survive a fork), a process that cannot fork, ``AOTC_MERGE=0`` /
-``aotc.backend(merge=False)``. A saved record (torch's AOT path, vLLM's) loaded by key serves
-the merged program unless ``AOTC_MERGE=0``.
+a CUDA context does not survive a fork), a process that cannot fork, merging off (the default:
+``AOTC_MERGE=1`` / ``aotc.backend(merge=True)`` turn it on — the child outlives the call that
+started it, which a guest in someone else's server does only when the operator asks). A saved
+record (torch's AOT path, vLLM's) loaded by key serves the merged program when merging is on.
 """
 
 from __future__ import annotations

@@ -289,7 +289,7 @@ def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = 
     mode (:func:`aotc.backend.config.mode_patches`); ``fallback``: ``inductor``, ``eager`` or
     ``error`` for a graph aotc cannot serve (default ``AOTC_FALLBACK``, else ``inductor``);
     ``merge``: compile a split CPU graph whole in the background and serve that once stored
-    (:mod:`aotc.backend.merged`; default ``AOTC_MERGE``, else on)."""
+    (:mod:`aotc.backend.merged`; default ``AOTC_MERGE``, else off)."""
     return AotcBackend(BackendConfig.make(store, remote, trust, splitting_ops, compile_sizes,
                                           tolerance, inductor, name, mode, fallback, merge))
 
