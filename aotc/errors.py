@@ -20,7 +20,8 @@ __all__ = [
     "StoreLockedError", "StoreNotFoundError", "StoreReadOnlyError",
     "SettingsError", "ManifestError", "ModelBuildError", "CaptureError", "SplitError", "CompileError",
     "NumericMismatchError", "LoadError", "InputError", "RunError", "BackendError", "VllmError",
-    "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "BundleError",
+    "RemoteError", "MissingObject", "OversizedObject", "DamagedRemoteEntry", "TrustError", "UnsafeStoreError",
+    "BundleError",
     "PrecompileError", "one_line",
 ]
 
@@ -121,6 +122,12 @@ class TrustError(AotcError):
     """An entry is not signed by a trusted key under the trust policy, or a key is unusable."""
 
     exit_code = 1
+
+
+class UnsafeStoreError(TrustError):
+    """A store someone other than this user (or root) could write, asked to load code without a
+    trust policy that requires signatures (ssh's ``StrictModes``); names the path, its mode and
+    the fix (:func:`aotc.fleet.trust.enforce_store`)."""
 
 
 class BundleError(AotcError):

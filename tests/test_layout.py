@@ -365,9 +365,9 @@ def _documented_modules() -> set[str]:
     found: set[str] = set()
     folder = None
     for line in (ROOT / "docs" / "layout.md").read_text().splitlines():
-        heading = re.match(r"### `([^`]+)`", line)
-        if heading:
-            folder = heading.group(1).rstrip("/")
+        if line.startswith("#"):
+            heading = re.match(r"### `([^`]+)`", line)
+            folder = heading.group(1).rstrip("/") if heading else None
             continue
         row = re.match(r"\| `([^`]+\.py)` \|", line)
         if row and folder:

@@ -10,6 +10,11 @@ here; a failed push is one warning (the entry stands here; ``aotc push`` feeds t
 The manifest pipeline, the backend and the vLLM plugin call it with only how to build.
 :meth:`TieredStore.get` / :meth:`TieredStore.find` are the loader's half (no build).
 
+Every one of them first checks that the local store is safe to load code from
+(:func:`aotc.fleet.trust.enforce_store`: nobody but this user or root can write it, unless the
+policy requires signatures): a store others could write raises ``UnsafeStoreError`` before
+anything is looked up, pulled or built — no fallback to building into it either.
+
 The remote's client (boto3, oras) is imported only when the remote tier is actually asked.
 """
 
@@ -23,7 +28,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from aotc.cache import CacheMiss, Entry, Store, StoreReadOnlyError
 from aotc.errors import RemoteError, TrustError
 from aotc.fleet.remote_api import Remote
-from aotc.fleet.trust import Signer, TrustPolicy, enforce, sign_with
+from aotc.fleet.trust import Signer, TrustPolicy, enforce, enforce_store, sign_with
 from aotc.log import logger
 from aotc.lookup.resolve import Probe, Resolution, manifest_probe, resolve_probe
 from aotc.progress import Progress
@@ -104,9 +109,11 @@ class TieredStore:
         """The entry ``key``: local, else pulled through from the remote (module doc) — waiting
         for a live compile lease on it when ``wait`` — and allowed by the trust policy. Raises
         ``CacheMiss`` (with ``miss_hint`` when no tier has it), ``RemoteError`` for damaged or unreachable remote bytes,
-        ``TrustError`` for an entry the policy refuses. ``built_here``: a key from elsewhere (a
-        saved record, ``aotc.load(key=…)``) must name an entry built for this machine and this
-        aotc (else ``LoadError``)."""
+        ``TrustError`` for an entry the policy refuses (``UnsafeStoreError``: a store others
+        could write). ``built_here``: a key from elsewhere (a saved record,
+        ``aotc.load(key=…)``) must name an entry built for this machine and this aotc (else
+        ``LoadError``)."""
+        self._safe()
         entry = self._get(key, miss_hint, wait)
         if built_here:
             from aotc.lookup.toolchain import check_built_here
@@ -141,6 +148,7 @@ class TieredStore:
     def find_probe(self, probe: Probe, wait: bool = True) -> Resolution:
         """The current entry behind ``probe``: resolved in the local tier, else pulled through
         from the remote (waiting on a live compile lease when ``wait``) and resolved again."""
+        self._safe()
         found = resolve_probe(probe, self.local, record=True)
         if found.entry is None and found.corrupt is None and self.remote is not None:
             want = Wanted.by_probe(probe)
@@ -154,7 +162,9 @@ class TieredStore:
     def get_or_build(self, want: Wanted, build: Callable[[], T]) -> Served[T]:
         """Serve ``want`` (module doc): the local entry, else the remote's (pulled through), else
         ``build()`` under the remote's compile lease, then pushed. ``build`` stores what it makes
-        with :meth:`put` and returns something with the stored ``key``."""
+        with :meth:`put` and returns something with the stored ``key``. A store others could
+        write raises ``UnsafeStoreError`` first: nothing is served from it or built into it."""
+        self._safe()
         entry = self._local(want)
         if entry is not None:
             return Served(entry=entry)
@@ -233,6 +243,10 @@ class TieredStore:
             _LOG.warning("aotc: warning: %s: the local entry is refused (%s); looking further",
                          want.what, e)
             return None
+
+    def _safe(self) -> None:
+        """Raise ``UnsafeStoreError`` unless code may be loaded from the local store (module doc)."""
+        enforce_store(self.local, self.policy)
 
     def _checked(self, entry: Entry) -> Entry:
         """``entry`` if the policy lets it load here: with trusted keys, every entry — local ones

@@ -20,6 +20,13 @@ in the same transaction as the entry (``Store.put(..., sign=)``), so no entry is
 unsigned. The policy (:class:`TrustPolicy`) comes from the operator only — ``AOTC_TRUST_KEYS``,
 ``--trust``, ``trust=`` — never from data such as a saved record.
 
+Without a policy that requires signatures (trusted keys, no opt-out), the local store's index is
+the authority on what an entry's code is, so a store someone else could write is refused before
+any entry is handed out (:func:`enforce_store`, ssh's ``StrictModes``): its root, ``store-v1/``,
+the index and the blob, unpacked and staging directories must be owned by this user or root and
+not writable by group or others (:mod:`aotc.cache.permissions`). A read-only, root-owned shared
+mount passes; with trusted keys set the signatures protect the code and the check is skipped.
+
 Why ed25519: small keys (32 bytes, printable as 64 hex chars), deterministic signatures, fast
 verification, and one well-maintained implementation in ``cryptography``.
 """
@@ -27,19 +34,22 @@ verification, and one well-maintained implementation in ``cryptography``.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aotc.cache import Entry, Store
-from aotc.errors import AotcError, TrustError
+from aotc.cache.permissions import UnsafePath, unsafe_paths
+from aotc.errors import AotcError, TrustError, UnsafeStoreError
 from aotc.log import logger
 from aotc.settings import ENV, Settings
 
 TRUST_ENV = ENV["trust_keys"]  # for messages: the variable is read in aotc.settings
 UNSIGNED_ENV = ENV["allow_unsigned"]
 _WARNED: set[str] = set()  # sources whose unsigned entries were let in, said once each
+_SAFE_STORES: weakref.WeakSet[Store] = weakref.WeakSet()  # stores found safe: checked once per open
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,12 @@ class TrustPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keys", frozenset(self.keys))
+
+    @property
+    def requires_signatures(self) -> bool:
+        """Whether every entry loaded here needs a trusted signature, local ones included
+        (trusted keys, and no ``allow_unsigned`` opt-out)."""
+        return bool(self.keys) and not self.allow_unsigned
 
     def state(self, payload: bytes, sigs: dict[str, str]) -> str:
         """``trusted``, ``bad-signature``, ``untrusted-signer`` or ``unsigned`` (:func:`payload_state`)."""
@@ -222,11 +238,52 @@ def payload_state(payload: bytes, sigs: dict[str, str], trusted: TrustPolicy) ->
 
 
 def enforce(store: Store, entry: Entry, trusted: TrustPolicy) -> None:
-    """Raise ``TrustError`` unless ``entry`` (in the local store) is signed by a key in
-    ``trusted``; no check without trusted keys (what is local was compiled here, or was checked
-    when it crossed into this store). ``allow_unsigned`` lets unsigned entries load."""
+    """Raise ``TrustError`` unless ``entry`` (in the local store) may be loaded: the store must
+    be safe to load code from (:func:`enforce_store`) and, with trusted keys, the entry signed by
+    one; no signature check without trusted keys (what is local was compiled here, or was
+    checked when it crossed into this store). ``allow_unsigned`` lets unsigned entries load."""
+    enforce_store(store, trusted)
     if trusted.keys:
         trusted.check(entry, store.signatures(entry.key))
+
+
+def enforce_store(store: Store, trusted: TrustPolicy) -> None:
+    """Raise ``UnsafeStoreError`` (one line: the path, its mode, the fix) when code is about to
+    be loaded from ``store`` but someone other than this user or root could write it
+    (:func:`aotc.cache.permissions.unsafe_paths`) — unless ``trusted`` requires signatures, which
+    then protect the code. A few ``stat`` calls, once per opened store that passes."""
+    if trusted.requires_signatures or store in _SAFE_STORES:
+        return
+    bad = unsafe_paths(store.root)
+    if not bad:
+        _SAFE_STORES.add(store)
+        return
+    raise UnsafeStoreError(unsafe_store_message(store.root, bad))
+
+
+def unsafe_store_message(root: Path, bad: list[UnsafePath]) -> str:
+    """The one line refusing the store at ``root`` for the unsafe parts ``bad`` (not empty)."""
+    more = f" (and {len(bad) - 1} more of its parts)" if len(bad) > 1 else ""
+    fixes = []
+    if any(b.foreign_owner for b in bad):
+        fixes.append(f"`chown -R {_me()} {root}`")
+    if any(b.group_writable or b.other_writable for b in bad):
+        writable = [b for b in bad if b.group_writable or b.other_writable]
+        fixes.append(f"`chmod go-w {writable[0].path}`" if len(writable) == 1
+                     else f"`chmod -R go-w {root}`")
+    return (f"refusing to load code from store {root}: {bad[0].describe()}{more}; run "
+            f"{' and '.join(fixes)}, or set {TRUST_ENV} (--trust) to require signed entries")
+
+
+def _me() -> str:
+    """This process's user name (its uid when it has none), for a ``chown`` fix."""
+    uid = os.geteuid()
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
 
 
 def enforce_payload(payload: bytes, sigs: dict[str, str], trusted: TrustPolicy,
