@@ -221,7 +221,9 @@ def bench(work: Path, runs: int, threads: int) -> tuple[dict[str, list[dict[str,
     model = work / "model"
     make_model(model)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "AOTC_"))}
-    base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
+    # AOTC_MERGE=1: this bench measures the opt-in merged program (off by default since #44) beside
+    # the pieces alone (PAIR's "aotc-pieces", merge=False: what the default serves)
+    base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", AOTC_MERGE="1")
     raw: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
     for i in range(runs):
         say(f"round {i + 1}/{runs}")
