@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import textwrap
 
 import pytest
@@ -110,3 +111,25 @@ def test_explain_names_the_setting_that_differs() -> None:
     paths = {d.path for d in explain({"global": before}, {"global": after})}
     assert "global.cuda_matmul_settings.torch.backends.cuda.matmul.fp32_precision" in paths
     assert "global.mkldnn.torch.backends.mkldnn.matmul.fp32_precision" in paths
+
+
+def test_every_inductor_variable_reaches_the_memo_fingerprint(monkeypatch) -> None:
+    """Each TORCHINDUCTOR_* variable Inductor's config reads changes the toolchain memo's
+    fingerprint (so the remembered Inductor values are never another setting's), locations
+    aside — and those are settings Inductor's own cache ignores or aotc denies."""
+    import re
+
+    import torch._inductor.config as config
+
+    from aotc.lookup.toolchain import fingerprint
+
+    names = sorted(set(re.findall(r"TORCHINDUCTOR_[A-Z0-9_]+", inspect.getsource(config))))
+    assert len(names) > 20
+    base = fingerprint("cpu")
+    locations = []
+    for name in names:
+        with monkeypatch.context() as m:
+            m.setenv(name, "1" if os.environ.get(name) != "1" else "0")
+            if fingerprint("cpu") == base:
+                locations.append(name)
+    assert all(n.endswith(("DIR", "PATH")) for n in locations), locations
