@@ -62,8 +62,8 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         full_factors,
         input_specs,
         module_sources,
+        named_target,
         probe_for,
-        target_id,
     )
     from aotc.log import configure
     from aotc.lookup.toolchain import machine_factors
@@ -78,10 +78,7 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         raise PrecompileError("aotc.precompile(…, example_inputs=[…]): give at least one example input")
     context = Context.from_env(store=store, remote=remote, trust=trust)  # an entry point
     configure(context.settings.log)
-    try:
-        identity, module = target_id(target)
-    except TypeError as e:
-        raise PrecompileError(str(e)) from e
+    identity, module = named_target(target)
     name = name or identity
     inputs = [example_input(v, f"example_inputs[{i}]") for i, v in enumerate(example_inputs)]
     tiered = context.open_tiered(create=True)

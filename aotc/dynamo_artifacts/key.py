@@ -31,10 +31,20 @@ from aotc.lookup.resolve import Probe, inductor_factors
 from aotc.records.key import FORMAT_VERSION
 
 __all__ = ["KIND", "RECORDED", "ROLE_PREFIX", "base_factors", "device_of", "full_factors", "input_specs",
-           "module_sources", "probe_for", "target_id"]
+           "module_sources", "named_target", "probe_for", "target_id"]
 
 KIND = "precompiled"
 ROLE_PREFIX = "dynamo."  # blob roles: dynamo.0, dynamo.1, … (one per example input)
+
+
+def named_target(target: Callable[..., Any]) -> tuple[str, str]:
+    """:func:`target_id` for a front door: a target with no stable name is a ``PrecompileError``."""
+    from aotc.errors import PrecompileError
+
+    try:
+        return target_id(target)
+    except TypeError as e:
+        raise PrecompileError(str(e)) from e
 
 
 def target_id(target: Callable[..., Any]) -> tuple[str, str]:

@@ -75,16 +75,12 @@ def precompiled(target: Callable[..., Any], *, name: str | None = None, store: A
     parameters'. A bad ``target`` raises ``PrecompileError``; anything that goes wrong finding or
     loading the entry is one warning line, and the calls are traced."""
     from aotc.context import Context
-    from aotc.dynamo_artifacts.key import target_id
-    from aotc.errors import PrecompileError
+    from aotc.dynamo_artifacts.key import named_target
     from aotc.log import configure
 
     context = Context.from_env(store=store, remote=remote, trust=trust)  # an entry point
     configure(context.settings.log)
-    try:
-        identity, module = target_id(target)
-    except TypeError as e:
-        raise PrecompileError(str(e)) from e
+    identity, module = named_target(target)
     name = name or identity
     traced = traced_path(target, {"store": store, "remote": remote, "trust": trust, "name": name,
                                   **backend_options}, dynamic)
