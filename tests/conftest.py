@@ -230,6 +230,7 @@ def s3(tmp_path_factory):
 # The longest files first: `make test` runs the suite on both cores (pytest-xdist, one file per
 # worker at a time), and a long file left for last would run alone at the end.
 LONGEST_FIRST = ("test_vllm.py", "test_clients.py", "test_clients_more.py", "test_precompile.py", "test_crashes.py",
+                 "test_key_soundness.py", "test_install.py",
                  "test_vllm_serve.py",
                  "test_bench.py", "test_backend.py", "test_lease.py", "test_concurrency.py",
                  "test_graph_coverage.py", "test_unpacked.py")

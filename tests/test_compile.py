@@ -60,7 +60,7 @@ def test_entry_contents(compiled) -> None:
     assert len(program.artifacts) == 3 * (1 + len(SIZES)) and program.kernel_roles
     assert "aotc/models/toy_llama.py" in program.source_files
     assert entry.factors["code"]["aotc/models/toy_llama.py"] == program.source_files["aotc/models/toy_llama.py"]
-    assert set(entry.factors) == {"manifest", "toolchain", "inductor", "aotc", "code"}
+    assert set(entry.factors) == {"manifest", "toolchain", "inductor", "global", "aotc", "code"}
     text = json.dumps(entry.factors)
     assert str(ROOT) not in text and "/tmp" not in text  # no absolute paths in the key
     assert entry.metadata["pieces"] == 5 and entry.metadata["unique_pieces"] == 3

@@ -50,14 +50,14 @@ def _torch_values() -> dict[str, object]:
 @pytest.mark.parametrize("change", ["default", "medium", "tf32", "deterministic", "reductions"])
 def test_aotcs_readers_see_what_torch_hashes(change: str) -> None:
     """Each field read without Inductor holds the values torch's own key holds, in each state."""
-    saved = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision,
              torch.are_deterministic_algorithms_enabled(),
              torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
     try:
         if change == "medium":
             torch.set_float32_matmul_precision("medium")
         elif change == "tf32":
-            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
         elif change == "deterministic":
             torch.use_deterministic_algorithms(True)
         elif change == "reductions":
@@ -66,15 +66,18 @@ def test_aotcs_readers_see_what_torch_hashes(change: str) -> None:
         ours = gf.global_factors(gf.hash_detail_fields())
         assert list(ours["deterministic_algorithms_settings"].values()) == list(theirs["deterministic_algorithms_settings"])
         m = ours["cuda_matmul_settings"]
+        raw = theirs["cuda_matmul_settings"]
+        # torch's raw "none" (inherit) under an IEEE root is spelled "ieee": the same kernels
         assert (m["torch.backends.cuda.matmul.fp32_precision"],
                 m["torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction"],
-                m["torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"]) == theirs["cuda_matmul_settings"]
+                m["torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"]) == \
+            ("ieee" if raw[0] == "none" else raw[0], *raw[1:])
         assert ours["default_dtype"] == str(theirs["default_dtype"])
         assert ours["cache_key_tag"] == theirs["cache_key_tag"]
         assert ours["custom_backend_passes"] == [] and ours["custom_backend_codegen_configs"] == {}
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.cuda.matmul.allow_tf32 = saved[1]
+        torch.backends.cuda.matmul.fp32_precision = saved[0]
+        torch.backends.mkldnn.matmul.fp32_precision = saved[1]
         torch.use_deterministic_algorithms(saved[2])
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = saved[3]
 
@@ -102,15 +105,31 @@ def test_a_value_with_no_stable_spelling_raises() -> None:
 def test_explain_names_the_setting_that_differs() -> None:
     fields = gf.hash_detail_fields()
     before = gf.global_factors(fields)
-    saved = torch.get_float32_matmul_precision()
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
     try:
         torch.set_float32_matmul_precision("medium")
         after = gf.global_factors(fields)
     finally:
-        torch.set_float32_matmul_precision(saved)
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = saved
     paths = {d.path for d in explain({"global": before}, {"global": after})}
     assert "global.cuda_matmul_settings.torch.backends.cuda.matmul.fp32_precision" in paths
     assert "global.mkldnn.torch.backends.mkldnn.matmul.fp32_precision" in paths
+
+
+def test_the_defaults_precision_said_explicitly_keeps_the_key() -> None:
+    """``set_float32_matmul_precision("highest")`` (vLLM's workers call it) is the default's
+    precision: the same key (a legacy getter that raises in a mixed-API process is never read:
+    tests/test_key_soundness.py's "tf32" case mixes the two APIs in a fresh process)."""
+    fields = gf.hash_detail_fields()
+    before = gf.global_factors(fields)
+    saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert gf.global_factors(fields) == before
+        torch.set_float32_matmul_precision("high")
+        assert gf.global_factors(fields) != before
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = saved
 
 
 def test_every_inductor_variable_reaches_the_memo_fingerprint(monkeypatch) -> None:
@@ -133,3 +152,26 @@ def test_every_inductor_variable_reaches_the_memo_fingerprint(monkeypatch) -> No
             if fingerprint("cpu") == base:
                 locations.append(name)
     assert all(n.endswith(("DIR", "PATH")) for n in locations), locations
+
+
+def test_the_memo_keeps_what_a_fresh_process_reads_whatever_this_one_changed(tmp_path) -> None:
+    """A process that changed an Inductor setting in-process keys with it (live values), while
+    the toolchain memo it writes holds the values a fresh process computes (so a warm start that
+    reads the memo, never importing Inductor, keys as that fresh process would)."""
+    import json
+    import subprocess
+
+    import torch._inductor.config as config
+
+    from aotc.lookup.toolchain import fingerprint, machine_factors
+    from tests.conftest import PYTHON, python_env
+
+    with config.patch({"epilogue_fusion": not config.epilogue_fusion}):
+        mine = machine_factors("cpu", tmp_path)["inductor_values"]
+        memo = json.loads((tmp_path / f"{fingerprint('cpu')}.json").read_text())["inductor_values"]
+    fresh = json.loads(subprocess.run(
+        [PYTHON, "-c", "import json; from aotc._torch.inductor_facts import config_values; "
+                       "print(json.dumps(config_values()))"],
+        capture_output=True, text=True, env=python_env(), check=True, timeout=120).stdout)
+    assert mine["epilogue_fusion"] != fresh["epilogue_fusion"]
+    assert memo == fresh

@@ -56,6 +56,7 @@ MUST_HIT: list[tuple[str, dict[str, str], bool]] = [
     ("tmpdir", {"TMPDIR": "{other}/tmp"}, False),
     ("inductor-cache-dir", {"TORCHINDUCTOR_CACHE_DIR": "{other}/inductor"}, False),
     ("home-and-xdg", {"HOME": "{other}/home", "XDG_CACHE_HOME": "{other}/xdg"}, False),
+    ("matmul-highest", {}, False),  # set_float32_matmul_precision("highest"), as vLLM's workers call it
     ("hash-seed", {"PYTHONHASHSEED": "12345"}, False),
     ("store-copied", {}, True),
     ("environment-noise", {"POD_IP": "10.1.2.3", "HOSTNAME": "replica-7", "RANK": "3", "LOCAL_RANK": "1",
@@ -67,8 +68,8 @@ MUST_HIT: list[tuple[str, dict[str, str], bool]] = [
 MUST_MISS: list[tuple[str, dict[str, str], str]] = [
     ("matmul-medium", {}, "global.cuda_matmul_settings.torch.backends.cuda.matmul.fp32_precision"),
     ("matmul-high", {}, "global.cuda_matmul_settings.torch.backends.cuda.matmul.fp32_precision"),
-    ("tf32", {}, "global.cuda_matmul_settings.torch.backends.cuda.matmul.allow_tf32"),
-    ("cudnn-tf32-off", {}, "global.cudnn.torch.backends.cudnn.allow_tf32"),
+    ("tf32", {}, "global.cuda_matmul_settings.torch.backends.cuda.matmul.fp32_precision"),
+    ("cudnn-tf32-off", {}, "global.cudnn.torch.backends.cudnn.conv.fp32_precision"),
     ("fp16-reduction-off", {}, "global.cuda_matmul_settings.torch.backends.cuda.matmul.allow_fp16"),
     ("bf16-reduction-off", {}, "global.cuda_matmul_settings.torch.backends.cuda.matmul.allow_bf16"),
     ("deterministic", {}, "global.deterministic_algorithms_settings"),
@@ -106,7 +107,8 @@ def results(tmp_path_factory) -> dict[str, dict[str, Any]]:
     for name, changes, use_copy in MUST_HIT:
         e = {**env, **{k: v.format(other=other) for k, v in changes.items()}}
         cwd = other if name == "cwd" else build_dir
-        jobs[f"hit:{name}"] = (copied if use_copy else store, "none", cwd, e)
+        change = name if name.startswith("matmul-") else "none"
+        jobs[f"hit:{name}"] = (copied if use_copy else store, change, cwd, e)
     for case in MUST_MISS:
         jobs[f"miss:{_miss_id(case)}"] = (store, case[0], build_dir, {**env, **case[1]})
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -19,7 +19,8 @@ Beside torch's own fields, :data:`EXTRA_READERS` keys settings Inductor reads wh
 code that its cache key leaves out: oneDNN's fp32 precision (``pad_mm`` on CPU reads
 ``torch.backends.mkldnn.fp32_precision``; ``set_float32_matmul_precision("medium")`` sets the
 oneDNN matmul precision to bf16) and cuDNN's TF32 flags (Inductor's Triton conv templates bake
-``ALLOW_TF32`` from them). ``tests/test_global_factors.py`` reads every ``self.X =`` of
+``ALLOW_TF32`` from them), and the root ``torch.backends.fp32_precision`` they inherit from.
+``tests/test_global_factors.py`` reads every ``self.X =`` of
 ``FxGraphHashDetails.__init__`` and fails when one is neither read, keyed elsewhere nor denied.
 
 Tested on torch 2.13 (CPU); written for 2.11–2.13 (fields feature-checked).
@@ -84,27 +85,62 @@ def _deterministic() -> dict[str, Any]:
                 getattr(det, "fill_uninitialized_memory", None)}
 
 
+# torch's fp32 precision settings (the new API; the legacy ``allow_tf32`` getters and
+# ``get_float32_matmul_precision`` raise when a process mixed both APIs, so they are never read):
+# each node inherits its parent's when it says "none"; the root's "none" is IEEE.
+_PRECISION_PARENT: dict[str, str | None] = {
+    "": None, "cuda.matmul": "", "mkldnn": "", "mkldnn.matmul": "mkldnn", "mkldnn.conv": "mkldnn",
+    "cudnn": "", "cudnn.conv": "cudnn",
+}
+
+
+def _raw_precision(node: str) -> str | None:
+    obj: Any = torch.backends
+    for part in filter(None, node.split(".")):
+        obj = getattr(obj, part, None)
+    value = getattr(obj, "fp32_precision", None)
+    return None if value is None else str(value)
+
+
+def _effective_precision(node: str) -> str:
+    raw = _raw_precision(node)
+    if raw not in (None, "none"):
+        return str(raw)
+    parent = _PRECISION_PARENT.get(node)
+    return "ieee" if parent is None else _effective_precision(parent)
+
+
+def _precision(node: str) -> str | None:
+    """``torch.backends.<node>.fp32_precision`` as keyed: as set, except that "none" whose parents
+    resolve to IEEE is spelled "ieee" — Inductor's codegen tests ``== "tf32"`` and aten runs IEEE
+    for both, so a server that calls ``set_float32_matmul_precision("highest")`` (vLLM's workers
+    do) keeps the default's key. A "none" under a TF32 parent stays "none" (Inductor reads the
+    node, aten the parent: a key of its own)."""
+    raw = _raw_precision(node)
+    if raw == "none" and _effective_precision(node) == "ieee":
+        return "ieee"
+    return raw
+
+
 def _cuda_matmul() -> dict[str, Any]:
     m = torch.backends.cuda.matmul
-    return {"torch.backends.cuda.matmul.fp32_precision": getattr(m, "fp32_precision", None),
-            "torch.backends.cuda.matmul.allow_tf32": m.allow_tf32,
+    return {"torch.backends.cuda.matmul.fp32_precision": _precision("cuda.matmul"),
             "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction":
                 m.allow_fp16_reduced_precision_reduction,
             "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction":
                 m.allow_bf16_reduced_precision_reduction}
 
 
+def _backend_precisions(*nodes: str) -> dict[str, Any]:
+    return {".".join(filter(None, ("torch.backends", node, "fp32_precision"))): _precision(node) for node in nodes}
+
+
 def _mkldnn() -> dict[str, Any]:
-    mk = torch.backends.mkldnn
-    return {"torch.backends.mkldnn.fp32_precision": getattr(mk, "fp32_precision", None),
-            "torch.backends.mkldnn.matmul.fp32_precision": getattr(getattr(mk, "matmul", None), "fp32_precision", None),
-            "torch.get_float32_matmul_precision": torch.get_float32_matmul_precision()}
+    return _backend_precisions("mkldnn", "mkldnn.matmul", "mkldnn.conv")
 
 
 def _cudnn() -> dict[str, Any]:
-    cd = torch.backends.cudnn
-    return {"torch.backends.cudnn.fp32_precision": getattr(cd, "fp32_precision", None),
-            "torch.backends.cudnn.allow_tf32": cd.allow_tf32}
+    return _backend_precisions("cudnn", "cudnn.conv")
 
 
 def _backend_registry(name: str) -> Any:
@@ -132,7 +168,8 @@ READERS: dict[str, Callable[[], Any]] = {
 }
 
 # Settings Inductor's codegen reads that its own cache key does not hash (module doc).
-EXTRA_READERS: dict[str, Callable[[], Any]] = {"mkldnn": _mkldnn, "cudnn": _cudnn}
+EXTRA_READERS: dict[str, Callable[[], Any]] = {"mkldnn": _mkldnn, "cudnn": _cudnn,
+                                               "fp32_precision": lambda: _backend_precisions("")}
 
 
 def _compiler_config(name: str) -> Any:

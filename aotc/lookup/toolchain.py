@@ -95,13 +95,13 @@ def machine_factors(device: str, memo_dir: Path | None = None) -> dict[str, Any]
     fingerprint matches, else are computed (importing Inductor) and remembered. Inductor's
     settings come from the memo only while this process has not imported Inductor's config (so
     nothing in it can have changed one in-process); once it has, they are read live (3 ms), and
-    the memo only ever takes values read from a config with no in-process change
-    (``inductor_facts.config_pristine``): one process's ``config.x = y`` is never another's key."""
+    the memo only ever takes the values a fresh process would read (``inductor_facts.
+    pristine_config_values``: this process's changes undone for the block): one process's
+    ``config.x = y`` is never another's key."""
     import sys
 
     from aotc._torch import global_factors, inductor_facts
 
-    pristine = inductor_facts.config_pristine()  # before anything here imports Inductor's config
     imported = "torch._inductor.config" in sys.modules
     path = None if memo_dir is None else memo_dir / f"{fingerprint(device)}.json"
     memo: Any = None
@@ -120,9 +120,11 @@ def machine_factors(device: str, memo_dir: Path | None = None) -> dict[str, Any]
         memo["toolchain"].update({k: v for k, v in live.items() if k in _GPU_FIELDS})
     if imported or "inductor_values" not in memo:
         values = inductor_facts.config_values()  # live: 3 ms once Inductor's config is imported
-        if pristine and memo.get("inductor_values") != values:
-            memo["inductor_values"] = values
-            dirty = True
+        if "inductor_values" not in memo:
+            fresh = values if not imported else inductor_facts.pristine_config_values()
+            if fresh is not None:
+                memo["inductor_values"] = fresh
+                dirty = True
     else:
         values = memo["inductor_values"]
     if dirty and path is not None:

@@ -26,6 +26,8 @@ def apply(change: str) -> None:
     """An in-process change, made before anything is keyed (as a server's startup makes it)."""
     if change == "matmul-medium":
         torch.set_float32_matmul_precision("medium")
+    elif change == "matmul-highest":  # the default's precision, said explicitly (vLLM's workers do)
+        torch.set_float32_matmul_precision("highest")
     elif change == "matmul-high":
         torch.set_float32_matmul_precision("high")
     elif change == "tf32":
