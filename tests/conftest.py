@@ -15,6 +15,20 @@ HELPERS = ROOT / "tests" / "helpers"
 
 
 @pytest.fixture(autouse=True)
+def _no_leaked_environment():
+    """After each test, the variables an imported library (vLLM) set in this process under
+    Inductor's, OpenMP's or the loader's names are put back as the session found them: this
+    process read Inductor's at import, and a key computed here must describe it (the toolchain
+    memo's fingerprint reads the environment)."""
+    yield
+    for name in [n for n in os.environ if n.startswith(_LEAKED_PREFIXES) and os.environ[n] != _SESSION_ENV.get(n)]:
+        if name in _SESSION_ENV:
+            os.environ[name] = _SESSION_ENV[name]
+        else:
+            del os.environ[name]
+
+
+@pytest.fixture(autouse=True)
 def _quick_tests_compile_nothing(request):
     """A test not marked ``slow`` (``make test-quick``) compiles nothing in this process: it fails
     when aotc compiled a piece or Inductor compiled a graph while it ran (a child process that

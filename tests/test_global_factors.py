@@ -155,20 +155,23 @@ def test_every_inductor_variable_reaches_the_memo_fingerprint(monkeypatch) -> No
 
 
 def test_the_memo_keeps_what_a_fresh_process_reads_whatever_this_one_changed(tmp_path) -> None:
-    """A process that changed an Inductor setting in-process keys with it (live values), while
-    the toolchain memo it writes holds the values a fresh process computes (so a warm start that
-    reads the memo, never importing Inductor, keys as that fresh process would)."""
+    """A process that changed an Inductor setting in-process keys with it (live values) and
+    writes none of its values to the toolchain memo; a build fills them from a fresh interpreter
+    (so a warm start that reads the memo, never importing Inductor, keys as a fresh process)."""
     import json
     import subprocess
 
     import torch._inductor.config as config
 
-    from aotc.lookup.toolchain import fingerprint, machine_factors
+    from aotc.lookup.toolchain import fingerprint, machine_factors, remember_fresh_values
     from tests.conftest import PYTHON, python_env
 
+    memo_file = tmp_path / f"{fingerprint('cpu')}.json"
     with config.patch({"epilogue_fusion": not config.epilogue_fusion}):
         mine = machine_factors("cpu", tmp_path)["inductor_values"]
-        memo = json.loads((tmp_path / f"{fingerprint('cpu')}.json").read_text())["inductor_values"]
+        assert "inductor_values" not in json.loads(memo_file.read_text())
+        remember_fresh_values("cpu", tmp_path)
+    memo = json.loads(memo_file.read_text())["inductor_values"]
     fresh = json.loads(subprocess.run(
         [PYTHON, "-c", "import json; from aotc._torch.inductor_facts import config_values; "
                        "print(json.dumps(config_values()))"],

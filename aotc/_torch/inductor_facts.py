@@ -241,25 +241,6 @@ def config_values() -> dict[str, Any]:
             for name, value in sorted(settings.items()) if not _denied(name)}
 
 
-def pristine_config_values() -> dict[str, Any] | None:
-    """:func:`config_values` as a fresh process with this environment computes them: every
-    Inductor setting this process changed (aotc's fixed config aside) put back to its default
-    for the block — so they may be remembered for other processes of the same toolchain and
-    environment, whatever this one patched. None when torch's config module cannot say which
-    settings changed (``_is_default``, ``_config``: feature-checked). A ``TORCHINDUCTOR_*``
-    variable set *after* Inductor's config was imported is not seen (torch reads them at import)."""
-    from torch._inductor import config
-
-    entries, is_default = getattr(config, "_config", None), getattr(config, "_is_default", None)
-    if not isinstance(entries, dict) or not callable(is_default):
-        return None
-    with process_scope():
-        changed = {name: entry.default for name, entry in entries.items()
-                   if name not in _FIXED_CONFIG and not is_default(name) and hasattr(entry, "default")}
-        with config.patch(changed):
-            return config_values()
-
-
 def _same(value: Any) -> Any:
     return value
 

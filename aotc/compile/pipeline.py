@@ -8,6 +8,7 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from aotc.errors import AotcError
 from aotc.fleet.tiered import TieredStore, Wanted
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.lookup.stores import as_manifest, open_store
-from aotc.lookup.toolchain import fingerprint, machine_factors
+from aotc.lookup.toolchain import fingerprint, machine_factors, remember_fresh_values
 from aotc.manifest import Manifest
 from aotc.model.build import make_inputs
 from aotc.model.forward import unwrap
@@ -162,6 +163,21 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
     t = time.perf_counter()
     header_build.start_header_build(dict(manifest.inductor), manifest.device)
     seconds["isa_probes"] = time.perf_counter() - t
+    # the toolchain memo's Inductor settings as a fresh process reads them (a fresh interpreter,
+    # once per memo), beside the trace; joined before this call returns
+    memo_fill = threading.Thread(target=remember_fresh_values, args=(manifest.device, store.base / "toolchain"),
+                                 name="aotc-memo-values", daemon=True)
+    memo_fill.start()
+    try:
+        return _compile_pieces(manifest, tiered, force, progress, jobs, base, seconds)
+    finally:
+        memo_fill.join()
+
+
+def _compile_pieces(manifest: Manifest, tiered: TieredStore, force: bool, progress: Progress, jobs: int,
+                    base: dict[str, Any], seconds: dict[str, float]) -> CompileResult:
+    """Trace, split and compile (the body of :func:`_compile_traced`)."""
+    store = tiered.local
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts = traced.model, traced.captured, traced.parts
     shapes: list[int | None] = [None, *manifest.compile_sizes]

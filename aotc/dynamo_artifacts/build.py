@@ -66,7 +66,7 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         probe_for,
     )
     from aotc.log import configure
-    from aotc.lookup.toolchain import machine_factors
+    from aotc.lookup.toolchain import machine_factors, remember_fresh_values
     from aotc.records.key import compute_key
 
     if not dyn.supported():
@@ -109,6 +109,7 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         "functions": len(functions), "bytes": sum(len(b) for b in blobs.values())})
     _log.info(f"aotc: precompiled {identity}: {len(functions)} function(s) traced and stored as "
               f"{key[:16]}… in {time.perf_counter() - t0:.2f}s")
+    remember_fresh_values(dev, tiered.local.base / "toolchain")  # the warm start's lookup, without Inductor
     return Precompiled(target, identity, functions, key, traced_path(target, backend_kwargs, dynamic),
                        store=str(tiered.local.root))
 

@@ -94,10 +94,10 @@ def machine_factors(device: str, memo_dir: Path | None = None) -> dict[str, Any]
     The toolchain factors and the list of torch's hash-detail fields come from the memo when its
     fingerprint matches, else are computed (importing Inductor) and remembered. Inductor's
     settings come from the memo only while this process has not imported Inductor's config (so
-    nothing in it can have changed one in-process); once it has, they are read live (3 ms), and
-    the memo only ever takes the values a fresh process would read (``inductor_facts.
-    pristine_config_values``: this process's changes undone for the block): one process's
-    ``config.x = y`` is never another's key."""
+    nothing in it can have changed one in-process); once it has, they are read live (3 ms) and
+    never written to the memo — this process may have changed a setting, or a ``TORCHINDUCTOR_*``
+    variable after Inductor read them: one process's state is never another's key. A build fills
+    the memo's values from a fresh interpreter instead (:func:`remember_fresh_values`)."""
     import sys
 
     from aotc._torch import global_factors, inductor_facts
@@ -120,17 +120,43 @@ def machine_factors(device: str, memo_dir: Path | None = None) -> dict[str, Any]
         memo["toolchain"].update({k: v for k, v in live.items() if k in _GPU_FIELDS})
     if imported or "inductor_values" not in memo:
         values = inductor_facts.config_values()  # live: 3 ms once Inductor's config is imported
-        if "inductor_values" not in memo:
-            fresh = values if not imported else inductor_facts.pristine_config_values()
-            if fresh is not None:
-                memo["inductor_values"] = fresh
-                dirty = True
+        if not imported:  # imported just now, from this environment: what a fresh process reads
+            memo["inductor_values"] = values
+            dirty = True
     else:
         values = memo["inductor_values"]
     if dirty and path is not None:
         _write_memo(path, memo)
     return {"toolchain": memo["toolchain"], "inductor_values": values,
             "global": global_factors.global_factors(memo["global_fields"])}
+
+
+def remember_fresh_values(device: str, memo_dir: Path | None) -> None:
+    """Give the memo (written by :func:`machine_factors`) Inductor's settings as a fresh process
+    with this environment reads them, computed by a fresh interpreter when this process has
+    imported Inductor's config (its own values may hold in-process changes) — so the first warm
+    start after a build finds them without importing Inductor. Once per memo (~2 s, within the
+    build's call); never raises: without them a warm start computes its own."""
+    if memo_dir is None:
+        return
+    path = memo_dir / f"{fingerprint(device)}.json"
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(memo, dict) or "inductor_values" in memo:
+        return
+    import subprocess
+
+    code = ("import json, sys; from aotc._torch.inductor_facts import config_values; "
+            "sys.stdout.write(json.dumps(config_values()))")
+    try:  # this interpreter and environment: aotc is found as this process found it
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, check=True, stdin=subprocess.DEVNULL)
+        memo["inductor_values"] = json.loads(res.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return
+    _write_memo(path, memo)
 
 
 def _write_memo(path: Path, memo: dict[str, Any]) -> None:
