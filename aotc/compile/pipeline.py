@@ -8,7 +8,6 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,21 +162,6 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
     t = time.perf_counter()
     header_build.start_header_build(dict(manifest.inductor), manifest.device)
     seconds["isa_probes"] = time.perf_counter() - t
-    # the toolchain memo's Inductor settings as a fresh process reads them (a fresh interpreter,
-    # once per memo), beside the trace; joined before this call returns
-    memo_fill = threading.Thread(target=remember_fresh_values, args=(manifest.device, store.base / "toolchain"),
-                                 name="aotc-memo-values", daemon=True)
-    memo_fill.start()
-    try:
-        return _compile_pieces(manifest, tiered, force, progress, jobs, base, seconds)
-    finally:
-        memo_fill.join()
-
-
-def _compile_pieces(manifest: Manifest, tiered: TieredStore, force: bool, progress: Progress, jobs: int,
-                    base: dict[str, Any], seconds: dict[str, float]) -> CompileResult:
-    """Trace, split and compile (the body of :func:`_compile_traced`)."""
-    store = tiered.local
     traced = trace_and_split(manifest, progress, seconds)
     model, captured, parts = traced.model, traced.captured, traced.parts
     shapes: list[int | None] = [None, *manifest.compile_sizes]
@@ -201,6 +185,9 @@ def _compile_pieces(manifest: Manifest, tiered: TieredStore, force: bool, progre
               check=lambda prog, by_uid: numeric_check(Runner(prog, by_uid, model), model, manifest),
               metadata={"probe": compute_key(base)}, jobs=jobs, fork=True, force=force)
     built = build(store, job, progress, seconds, signer=tiered.signer)
+    # the toolchain memo's Inductor settings as a fresh process reads them (a fresh interpreter,
+    # once per memo; after the compile: no fork of a worker meets its pipes)
+    remember_fresh_values(manifest.device, store.base / "toolchain")
     if built.stored_meanwhile:
         return _hit(built.entry, manifest, seconds, store, traces=1)
     numerics = built.entry.metadata["numerics"]
