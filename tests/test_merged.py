@@ -219,7 +219,7 @@ print("running", not merge_child.wait_for_merges(0.1), flush=True)
         try:
             raise_if_given_up(store, "k" * 64)
         except GivenUpBefore as e:
-            assert "differs" in str(e)
+            assert "differs" in str(e) and "known to repeat" in str(e)  # remembered with its class
             break
         assert time.monotonic() < deadline, lock.with_suffix(".log").read_text()[-2000:]
         time.sleep(0.2)

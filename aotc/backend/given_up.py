@@ -43,7 +43,7 @@ from aotc.errors import (
 from aotc.log import logger
 
 __all__ = ["GivenUpBefore", "failure_version", "forget", "graph_fingerprint", "raise_if_given_up", "reason_class",
-           "remember", "repeats"]
+           "remember"]
 
 _log = logger("backend")
 _REPEATS = (BackendError, CaptureError, CompileError, LoadError, NumericMismatchError, RunError, SplitError)
@@ -102,12 +102,6 @@ def reason_class(e: BaseException) -> str | None:
     if isinstance(e, _REPEATS):
         return failures.UNKNOWN if _wraps_foreign(e) else failures.REPEATS
     return None if isinstance(e, AotcError) else failures.UNKNOWN
-
-
-def repeats(e: BaseException) -> bool:
-    """Whether ``e`` is worth remembering at all, in either class (the merge child's question;
-    :func:`reason_class` says which)."""
-    return reason_class(e) is not None
 
 
 def graph_fingerprint(gm: Any, example_inputs: Sequence[Any]) -> str:

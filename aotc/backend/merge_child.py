@@ -129,19 +129,20 @@ def _child(job: MergeJob, build: Callable[[Path], None]) -> None:
     try:
         _detach(job.log)
         from aotc._torch import forked
-        from aotc.backend.given_up import repeats
+        from aotc.backend.given_up import reason_class
 
         staging = Path(job.tmp_dir) / f"merge-{job.key[:32]}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)  # a killed child's, whose pid this one reuses
         staging.mkdir(parents=True)
-        outcome = {**asdict(job), "ok": False, "reason": "", "remember": False}
+        outcome = {**asdict(job), "ok": False, "reason": "", "remember": False, "reason_class": None}
         try:
             forked.after_fork_in_child()
             t = time.perf_counter()
             build(staging / "store")
             outcome.update(ok=True, seconds=round(time.perf_counter() - t, 1))
         except BaseException as e:  # noqa: BLE001 - said and recorded by the ingest
-            outcome.update(reason=one_line(e), remember=repeats(e))
+            cls = reason_class(e)
+            outcome.update(reason=one_line(e), remember=cls is not None, reason_class=cls)
         (staging / "outcome.json").write_text(json.dumps(outcome))  # (stderr is line-buffered)
         env = dict(os.environ)  # where this aotc is imported from, first
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
@@ -201,7 +202,8 @@ def ingest(staging: Path, context: Any) -> int:
         tiered = context.open_tiered(create=True)
         if not out["ok"]:
             if out["remember"]:
-                failures.remember(tiered.local, out["key"], out["name"], out["version"], out["reason"])
+                failures.remember(tiered.local, out["key"], out["name"], out["version"], out["reason"],
+                                  out.get("reason_class") or failures.UNKNOWN)
             _log.warning(f"aotc: warning: {out['label']}: no merged program ({out['reason']}); the "
                          "pieces serve it")
             return 1
