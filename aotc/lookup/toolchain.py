@@ -98,8 +98,6 @@ def machine_factors(device: str, memo_dir: Path | None = None) -> dict[str, Any]
     never written to the memo — this process may have changed a setting, or a ``TORCHINDUCTOR_*``
     variable after Inductor read them: one process's state is never another's key. A build fills
     the memo's values from a fresh interpreter instead (:func:`remember_fresh_values`)."""
-    import sys
-
     from aotc._torch import global_factors, inductor_facts
 
     imported = "torch._inductor.config" in sys.modules
