@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from aotc.cache.humanize import format_duration
+
 if TYPE_CHECKING:
     from aotc.cache.store import Store
 
@@ -83,12 +85,7 @@ class Failure:
         if at is None:
             return "never"
         left = at - (time.time() if now is None else now)
-        if left <= 0:
-            return "due"
-        for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60)):
-            if left >= seconds:
-                return f"in {int(left // seconds)}{unit}"
-        return f"in {int(left)}s"
+        return "due" if left <= 0 else f"in {format_duration(left)}"
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON for ``--json`` output: ``next_retry`` is null for a failure known to repeat."""

@@ -19,8 +19,12 @@ def format_age(timestamp: float, now: float | None = None) -> str:
     """Seconds since ``timestamp`` as '12s ago', '3m ago', '5h ago', '2d ago'; 'never' for 0."""
     if not timestamp:
         return "never"
-    delta = max(0.0, (time.time() if now is None else now) - timestamp)
-    for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60)):
-        if delta >= seconds:
-            return f"{int(delta // seconds)}{unit} ago"
-    return f"{int(delta)}s ago"
+    return f"{format_duration(max(0.0, (time.time() if now is None else now) - timestamp))} ago"
+
+
+def format_duration(seconds: float) -> str:
+    """A span in its largest whole unit: 12 → '12s', 200 → '3m', 18000 → '5h', 2 days → '2d'."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
