@@ -1,7 +1,9 @@
 """The store as every front door sees it: the local store with an optional remote tier (ccache's
 secondary storage, Bazel's remote cache), and the one fleet journey.
 
-:meth:`TieredStore.get_or_build` owns it: local → remote (pulled through, every blob verified,
+:meth:`TieredStore.get_or_build` owns it: local → the node's build lease (a lock file in the
+local store, :mod:`aotc.fleet.local_lease`: one process per node goes on, the others wait and
+find its entry) → remote (pulled through, every blob verified,
 the trust policy enforced before any blob is read) → the remote's compile lease (one process of a
 fleet builds, the others wait and pull) → build (the caller's function, which stores with
 :meth:`TieredStore.put`: signed in the same transaction when a signing key is set) → push. One
@@ -160,14 +162,29 @@ class TieredStore:
 
     # -- the one fleet journey --------------------------------------------------------------
     def get_or_build(self, want: Wanted, build: Callable[[], T]) -> Served[T]:
-        """Serve ``want`` (module doc): the local entry, else the remote's (pulled through), else
-        ``build()`` under the remote's compile lease, then pushed. ``build`` stores what it makes
-        with :meth:`put` and returns something with the stored ``key``. A store others could
-        write raises ``UnsafeStoreError`` first: nothing is served from it or built into it."""
+        """Serve ``want`` (module doc): the local entry, else — under the node's build lease
+        (:mod:`aotc.fleet.local_lease`: one process per node goes on, the others wait and find
+        its entry here) — the remote's (pulled through), else ``build()`` under the remote's
+        compile lease, then pushed. ``build`` stores what it makes with :meth:`put` and returns
+        something with the stored ``key``. A store others could write raises
+        ``UnsafeStoreError`` first: nothing is served from it or built into it."""
         self._safe()
         entry = self._local(want)
         if entry is not None:
             return Served(entry=entry)
+        from aotc.fleet.local_lease import node_single_flight
+
+        def here() -> Served[T] | None:  # the same lookup as the first
+            found = self._local(want)
+            return None if found is None else Served(entry=found)
+
+        return node_single_flight(self.local, self._lease_id(want), want.what, here,
+                                  lambda: self._fetch_or_build(want, build), self.lease_wait,
+                                  say=self.progress.note)
+
+    def _fetch_or_build(self, want: Wanted, build: Callable[[], T]) -> Served[T]:
+        """The remote's entry (pulled through), else ``build()`` under its compile lease and
+        pushed; no remote: ``build()``."""
         if self.remote is None:
             return Served(built=build())
         from aotc.fleet.lease import single_flight
