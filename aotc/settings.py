@@ -23,6 +23,7 @@ nothing else in aotc reads an ``AOTC_*`` variable (a layout test holds it).
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
 | ``AOTC_VLLM_RECORDS`` | ``vllm_records`` | ``0``: aotc's vLLM plugin leaves vLLM's AOT cache alone (no shipped record is brought in, none vLLM saves is stored; :mod:`aotc.vllm.plugin`) |
 | ``AOTC_MERGE`` | ``merge`` | ``1``: the backend compiles a merged program of each split CPU graph in a background child and serves it at later starts (:mod:`aotc.backend.merged`; default off: the child outlives the call that started it, so the operator asks for it) |
+| ``AOTC_MAX_SIZE`` | ``max_size`` | the local store's bound (``10G``, ``500M``; binary units): after each put the least recently used entries are evicted while the store is over it — never one a running process holds or one used in the last 5 minutes (:mod:`aotc.cache.bound`); unset: no bound |
 | ``AOTC_FALLBACK`` | ``fallback`` | what a graph the backend cannot serve (unkeyable, a failed compile or numeric check, a damaged entry) falls back to: ``inductor`` (default), ``eager``, or ``error`` to raise (CI, tests) |
 """
 
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENV", "Settings", "is_remote_url"]
+__all__ = ["ENV", "Settings", "is_remote_url", "parse_max_size"]
 
 ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_ENDPOINT",
        "trust_keys": "AOTC_TRUST_KEYS", "loader": "AOTC_LOADER", "progress": "AOTC_PROGRESS",
@@ -41,7 +42,7 @@ ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_E
        "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG",
        "vllm_records": "AOTC_VLLM_RECORDS", "allow_unsigned": "AOTC_ALLOW_UNSIGNED",
        "signing_key": "AOTC_SIGNING_KEY", "lease_ttl": "AOTC_LEASE_TTL", "lease_wait": "AOTC_LEASE_WAIT",
-       "oci_insecure": "AOTC_OCI_INSECURE", "merge": "AOTC_MERGE"}
+       "oci_insecure": "AOTC_OCI_INSECURE", "merge": "AOTC_MERGE", "max_size": "AOTC_MAX_SIZE"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -73,12 +74,13 @@ class Settings:
     lease_ttl: float = 60.0  # seconds a compile lease lives without a heartbeat
     lease_wait: float = 1800.0  # the most seconds a process waits for another's lease
     oci_insecure: bool = False  # plain HTTP to an oci:// registry
+    max_size: int | None = None  # bytes: the local store's bound (None: unbounded)
     merge: bool = False  # opt-in (a background child outlives the call that started it): the backend's merged programs of split CPU graphs (aotc.backend.merged)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Read the variables once (``env`` default: the process environment). A bad ``AOTC_LOG``
-        raises :class:`~aotc.errors.SettingsError`."""
+        (or lease time, or ``AOTC_MAX_SIZE``) raises :class:`~aotc.errors.SettingsError`."""
         env = os.environ if env is None else env
         text = {k: (env.get(v) or "").strip() or None for k, v in ENV.items()}
         loader = (text["loader"] or "fast").lower()
@@ -105,6 +107,7 @@ class Settings:
             lease_wait=_seconds(text["lease_wait"], "lease_wait", 1800.0),
             oci_insecure=_flag(text["oci_insecure"], False),
             merge=_flag(text["merge"], False),
+            max_size=parse_max_size(text["max_size"], ENV["max_size"]),
         )
 
     @property
@@ -140,3 +143,18 @@ def _seconds(text: str | None, field: str, default: float) -> float:
 
         raise SettingsError(f"{ENV[field]}={text!r}: expected a positive number of seconds")
     return value
+
+
+def parse_max_size(text: str | None, name: str = "AOTC_MAX_SIZE") -> int | None:
+    """A store bound (``10G``, ``500M``, ``1.5GiB``, bytes) from a variable or option ``name``;
+    None when unset. A bad value raises :class:`~aotc.errors.SettingsError` naming ``name``."""
+    if text is None:
+        return None
+    from aotc.cache.bound import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError:
+        from aotc.errors import SettingsError
+
+        raise SettingsError(f"{name}={text!r}: expected a size such as 10G or 500M") from None

@@ -1,4 +1,5 @@
-"""Looking after a store: scan (fast, no hashing), verify (re-hash everything), gc and deletion.
+"""Looking after a store: scan (fast, no hashing), verify (re-hash everything), gc and deletion
+(gc's plan lives in :mod:`aotc.cache.bound`, re-exported here).
 
 Everything returns frozen dataclasses with raw ints and ``*_str`` properties; corrupt parts found
 while scanning are collected as warnings, never raised. Deletion is a plan with
@@ -10,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aotc.cache import blobio, events, failures, unpacked, workdirs
-from aotc.cache.deletion import _remove_unreferenced, delete_entries  # noqa: F401 - public here too
+from aotc.cache import blobio
+from aotc.cache.bound import GcPlan, parse_size, plan_gc  # noqa: F401 - public here too
+from aotc.cache.deletion import delete_entries  # noqa: F401 - public here too
 from aotc.cache.errors import CorruptedIndexError, StoreReadOnlyError
 from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the public face
     DEFAULT_MIN_IDLE,
@@ -28,6 +30,7 @@ from aotc.cache.scan import (  # noqa: F401 - re-exported: maintenance is the pu
 
 if TYPE_CHECKING:
     from aotc.cache.store import Store
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -187,128 +190,3 @@ def _set_index_aside(index: Path) -> Path:
         if side.exists():
             os.replace(side, aside.with_name(aside.name + suffix))
     return aside
-
-
-@dataclass(frozen=True)
-class GcPlan:
-    """What a gc would delete; ``execute()`` does it (re-checking each blob under the lock)."""
-
-    store: Store = field(repr=False, compare=False)
-    entries: tuple[EntryInfo, ...]
-    orphan_blobs: tuple[str, ...]
-    tmp_files: tuple[str, ...]
-    expected_freed_size: int
-    size_before: int
-    max_size: int | None
-    min_idle: float = DEFAULT_MIN_IDLE
-    protected: tuple[EntryInfo, ...] = ()  # over max_size but spared: used within min_idle
-    failures: tuple[str, ...] = ()  # keys of remembered failures: forgotten, so tried again
-    unpacked_dirs: tuple[str, ...] = ()  # unpacked copies to remove (cache/unpacked.py)
-
-    def execute(self) -> int:
-        """Delete what the plan names; returns the bytes actually freed."""
-        freed = delete_entries(self.store, [e.key for e in self.entries],
-                               idle_before=time.time() - self.min_idle)
-        freed += _remove_unreferenced(self.store, self.orphan_blobs)
-        # blob rows whose file vanished and that nobody references
-        rows = self.store.index.query("SELECT digest FROM blobs WHERE digest NOT IN"
-                                      " (SELECT digest FROM entry_blobs)")
-        freed += _remove_unreferenced(self.store, [r["digest"] for r in rows])
-        for key in self.failures:
-            failures.forget(self.store, key)
-        events.trim_all(self.store.index)  # the event rows over the cap (a get trims a batch)
-        for name in self.tmp_files:
-            path = self.store.tmp_dir / name
-            try:
-                if path.is_dir():  # a compile's work dir, an unpack's staging, a loader's own: if idle
-                    freed += workdirs.remove_idle(path)
-                    continue
-                freed += path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                pass
-        return freed + unpacked.remove(self.store, self.unpacked_dirs)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"entries": [e.to_json() for e in self.entries],
-                "orphan_blobs": list(self.orphan_blobs), "tmp_files": list(self.tmp_files),
-                "expected_freed_size": self.expected_freed_size, "size_before": self.size_before,
-                "max_size": self.max_size, "min_idle": self.min_idle,
-                "protected": [e.to_json() for e in self.protected],
-                "failures_forgotten": list(self.failures), "unpacked_dirs": list(self.unpacked_dirs)}
-
-
-def plan_gc(store: Store, max_size: int | None = None, tmp_grace: float = DEFAULT_TMP_GRACE,
-            min_idle: float = DEFAULT_MIN_IDLE) -> GcPlan:
-    """Plan a collection: orphan blobs, staging files older than ``tmp_grace`` seconds, and — when
-    the store exceeds ``max_size`` bytes on disk — least recently used entries until it fits.
-    Entries written or read in the last ``min_idle`` seconds are never evicted (a loader may be
-    reading them; ``execute`` re-checks under the write lock), even if the store stays too big."""
-    s = scan(store, tmp_grace=tmp_grace)
-    files = _blob_files(store)
-    sizes: dict[str, int] = {}
-    for digest, path in files.items():
-        try:
-            sizes[digest] = path.stat().st_size
-        except FileNotFoundError:
-            sizes[digest] = 0
-    tmp = [store.tmp_dir / n for n in s.stale_tmp_files]
-    tmp_size = sum(workdirs.tree_size(p) if p.is_dir() else p.stat().st_size
-                   for p in tmp if p.exists())
-    # unpacked copies (cache/unpacked.py) of entries that are gone, and under max_size those of
-    # idle entries (least recently used first) before any entry is evicted: a load re-makes them
-    unpacked_sizes = dict(s.unpacked_dirs)
-    live = {e.key for e in s.entries}
-    drop = [name for name in unpacked_sizes if name not in live]
-    freed = tmp_size + sum(sizes.get(d, 0) for d in s.orphan_blobs) + sum(unpacked_sizes[n] for n in drop)
-    victims: list[EntryInfo] = []
-    protected: list[EntryInfo] = []
-    if max_size is not None:
-        users: dict[str, set[str]] = {}
-        for r in store.index.query("SELECT key, digest FROM entry_blobs"):
-            users.setdefault(r["digest"], set()).add(r["key"])
-        remaining = s.size_on_disk - (freed - tmp_size)  # blobs and unpacked copies left
-        gone: set[str] = set()
-        recent = time.time() - min_idle
-        for entry in sorted(s.entries, key=lambda e: (e.last_used, e.created)):
-            if remaining <= max_size:
-                break
-            if entry.key in unpacked_sizes and max(entry.last_used, entry.created) <= recent:
-                drop.append(entry.key)
-                remaining -= unpacked_sizes[entry.key]
-                freed += unpacked_sizes[entry.key]
-        for entry in sorted(s.entries, key=lambda e: (e.last_used, e.created)):
-            if remaining <= max_size:
-                break
-            if max(entry.last_used, entry.created) > recent:
-                protected.append(entry)
-                continue
-            gone.add(entry.key)
-            victims.append(entry)
-            for digest, keys in users.items():
-                if entry.key in keys and keys <= gone:
-                    remaining -= sizes.get(digest, 0)
-                    freed += sizes.get(digest, 0)
-                    keys.clear()  # counted once
-    return GcPlan(store=store, entries=tuple(victims), orphan_blobs=s.orphan_blobs,
-                  tmp_files=s.stale_tmp_files, expected_freed_size=freed,
-                  size_before=s.size_on_disk, max_size=max_size, min_idle=min_idle,
-                  protected=tuple(protected), failures=tuple(f.key for f in s.failures),
-                  unpacked_dirs=tuple(drop))
-
-
-def parse_size(text: str) -> int:
-    """'10G', '512M', '1.5GiB', '1000' → bytes (binary units)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    mult = 1
-    if t and t[-1] in units:
-        mult, t = units[t[-1]], t[:-1]
-    try:
-        value = float(t)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 500M, 10G)") from None
-    if not 0 <= value < float("inf"):
-        raise ValueError(f"not a size: {text!r} (must be >= 0)")
-    return int(value * mult)
-

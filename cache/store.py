@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aotc.cache import blobio, events
+from aotc.cache import blobio, bound, events
 from aotc.cache.entry import ENTRY_REFS_SQL, BlobRef, Entry, SignFunction, entry_from_rows, signing_payload
 from aotc.cache.errors import CacheMiss, CorruptedCacheError, StoreError, StoreNotFoundError, StoreReadOnlyError
 from aotc.cache.index import Index
@@ -59,11 +59,14 @@ class Store:
     pull); otherwise a missing store is a ``StoreNotFoundError`` naming the path. A store whose
     directory this process cannot write (a read-only volume or image layer) opens read-only:
     entries are read and verified as usual, hits and last use are not recorded (said once on
-    stderr), and anything that would write raises ``StoreReadOnlyError``."""
+    stderr), and anything that would write raises ``StoreReadOnlyError``. ``max_size`` (bytes,
+    ``AOTC_MAX_SIZE``): after each put, least recently used entries are evicted while the store
+    is over it (:mod:`aotc.cache.bound`)."""
 
     def __init__(self, root: str | os.PathLike[str], busy_timeout: float = 30.0,
-                 create: bool = True) -> None:
+                 create: bool = True, max_size: int | None = None) -> None:
         self.root = Path(root).expanduser()
+        self.max_size = max_size  # bytes (AOTC_MAX_SIZE): a put evicts LRU entries over it (bound.py)
         self.base = self.root / LAYOUT
         self.blobs_dir = self.base / "blobs"
         self.tmp_dir = self.base / "tmp"
@@ -170,8 +173,11 @@ class Store:
             with self.index.write() as conn:
                 missing = [r for r, s in staged.items() if not self.blob_path(s.digest).exists()]
                 if not missing:
-                    return self._write_entry(conn, new, factors_json, metadata_json, probe, signature,
-                                             dict(signatures or {}))
+                    stored = self._write_entry(conn, new, factors_json, metadata_json, probe,
+                                               signature, dict(signatures or {}))
+            if not missing:  # committed: now keep the store within its bound (never this entry)
+                bound.after_put(self, key)
+                return stored
             # a concurrent gc removed a blob we dedup'ed against: publish it again and retry
             for role in missing:
                 staged[role] = self._publish(blobs[role])

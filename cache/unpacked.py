@@ -17,6 +17,9 @@ asked for other roles) is extracted to ``tmp/`` and renamed in on its own.
 Reuse: nothing is decompressed again, but each file is re-hashed against its blob's digest (the
 sha256 of the uncompressed bytes) before it is used; a missing, truncated or changed one is
 extracted again from its verified blob and replaced atomically (changed ones named in one warning).
+Holds: ``unpack`` takes the entry's hold (``locks.hold``: a shared lock kept until this process
+exits), so that eviction (``AOTC_MAX_SIZE``, ``gc --max-size``) never takes an entry a process
+serves from.
 Collection: ``delete_entries`` (``Store.delete``, gc's evictions, ``verify --repair``) removes the
 directories of the entries it deletes, and ``gc`` those of entries that no longer exist, or of idle
 ones under ``--max-size`` pressure — never one a process is loading from (it holds the lock).
@@ -40,7 +43,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from aotc.cache import blobio, workdirs
+from aotc.cache import blobio, locks, workdirs
 from aotc.cache.errors import StoreError
 
 if TYPE_CHECKING:
@@ -101,6 +104,7 @@ def unpack(store: Store, entry: Entry, files: Mapping[str, str]) -> Unpacked | N
     Raises what the store's reads raise (``CorruptedCacheError``, ``CacheMiss``)."""
     if store.read_only:
         return None
+    locks.hold(store.base, entry.key)  # until this process exits: eviction skips the entry
     rels = {role: _safe_rel(rel) for role, rel in files.items()}
     missing = sorted(set(rels) - set(entry.blobs))
     if missing:

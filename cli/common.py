@@ -24,8 +24,11 @@ class AppContext:
     names the remote that ``push``, ``pull`` and ``run`` use."""
 
     def __init__(self, store_path: str | None, remote_url: str | None = None,
-                 endpoint_url: str | None = None, settings: Settings | None = None) -> None:
+                 endpoint_url: str | None = None, settings: Settings | None = None,
+                 max_size_source: str | None = None) -> None:
         self.settings = settings = settings or Settings()
+        # where the store's bound came from: "--max-size", "AOTC_MAX_SIZE" or None (no bound)
+        self.max_size_source = max_size_source if settings.max_size is not None else None
         self.store_is_remote = is_remote_url(store_path or settings.store)
         if self.store_is_remote:  # the local cache: AOTC_STORE if that is a directory
             self.remote_url: str | None = store_path or settings.store
@@ -41,14 +44,14 @@ class AppContext:
     def store(self) -> Store:
         """The local store; it must exist (commands that only read never create one)."""
         if self._store is None:
-            self._store = Store(self.store_path, create=False)
+            self._store = Store(self.store_path, create=False, max_size=self.settings.max_size)
         return self._store
 
     @property
     def writable_store(self) -> Store:
         """The local store, created when missing (compile, import, pull write into it)."""
         if self._store is None:
-            self._store = Store(self.store_path, create=True)
+            self._store = Store(self.store_path, create=True, max_size=self.settings.max_size)
         return self._store
 
     def remote(self, url: str | None = None, required: str = "") -> Any:

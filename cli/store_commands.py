@@ -52,8 +52,10 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
     if app.store_is_remote:
         return _inspect_remote(app, as_json, verbose)
     s = maintenance.scan(app.store)
+    limit = app.settings.max_size
     if as_json:
-        print_json(s.to_json())
+        print_json({**s.to_json(), "max_size": limit, "max_size_source": app.max_size_source,
+                    "size_used": s.size_on_disk})
         return
     click.echo(_entry_table(s.entries, verbose) if s.entries else f"store {s.root} is empty")
     if s.failures:
@@ -69,6 +71,10 @@ def inspect_cache(app: AppContext, as_json: bool, verbose: bool) -> None:
         f"blobs, {s.hits} hits / {s.misses} misses, {len(s.failures)} given up, "
         f"{len(s.warnings)} warnings ({s.root})"
     )
+    click.echo(f"max size: {format_size(limit)} ({app.max_size_source}), {s.size_on_disk_str} used"
+               + ("; over it: the next put or `aotc gc` evicts what is not in use"
+                  if s.size_on_disk > limit else "")
+               if limit is not None else f"max size: none, {s.size_on_disk_str} used")
     _echo_warnings(s.warnings, verbose)
 
 
@@ -172,7 +178,8 @@ def _verify_remote(app: AppContext, repair: bool, as_json: bool) -> None:
 
 @click.command("gc")
 @click.option("--max-size", default=None, metavar="SIZE",
-              help="Evict least recently used entries until the store fits (e.g. 10G, 500M).")
+              help="Evict least recently used entries until the store fits (e.g. 10G, 500M; "
+                   "default: the store's bound, aotc --max-size or $AOTC_MAX_SIZE, if any).")
 @click.option("--dry-run", is_flag=True, help="Print what would be freed; delete nothing.")
 @click.option("--tmp-grace", default=maintenance.DEFAULT_TMP_GRACE, type=float, show_default=True,
               help="Seconds a staging file must be idle before it counts as garbage.")
@@ -184,10 +191,11 @@ def _verify_remote(app: AppContext, repair: bool, as_json: bool) -> None:
 @guard
 def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: float,
                min_idle: float, as_json: bool) -> None:
-    """Remove orphan blobs, stale staging files and, with --max-size, the least recently used entries."""
+    """Remove orphan blobs, stale staging files, lock files of entries that are gone and, with
+    --max-size (or the store's bound), the least recently used entries nobody holds."""
     app.local_only("gc")
     try:
-        limit = None if max_size is None else maintenance.parse_size(max_size)
+        limit = app.settings.max_size if max_size is None else maintenance.parse_size(max_size)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-size") from None
     if min_idle < 0:
@@ -212,6 +220,7 @@ def gc_command(app: AppContext, max_size: str | None, dry_run: bool, tmp_grace: 
                    "those graphs are tried again")
     if plan.protected:
         click.echo(f"kept {len(plan.protected)} entries over --max-size that were written or read "
-                   f"in the last {plan.min_idle:g}s (--min-idle; a loader may be reading them): "
+                   f"in the last {plan.min_idle:g}s (--min-idle; a loader may be reading them) "
+                   "or that a running process holds: "
                    + ", ".join(f"{e.name} {e.key_short}" for e in plan.protected[:5])
                    + (" …" if len(plan.protected) > 5 else ""))

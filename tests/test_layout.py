@@ -172,7 +172,7 @@ def test_aotc_variables_are_read_only_in_settings() -> None:
                                  "AOTC_SPLITTING_OPS", "AOTC_COMPILE_SIZES", "AOTC_REPORT", "AOTC_FALLBACK",
                                  "AOTC_LOG", "AOTC_VLLM_RECORDS", "AOTC_ALLOW_UNSIGNED",
                                  "AOTC_SIGNING_KEY", "AOTC_LEASE_TTL", "AOTC_LEASE_WAIT",
-                                 "AOTC_OCI_INSECURE", "AOTC_MERGE"}
+                                 "AOTC_OCI_INSECURE", "AOTC_MERGE", "AOTC_MAX_SIZE"}
 
 
 @pytest.mark.slow

@@ -18,14 +18,16 @@ def open_store(store: Any, manifest: Manifest | None = None, create: bool = Fals
     entry point's ``settings``: ``AOTC_STORE``, else ``$XDG_CACHE_HOME/aotc``; without settings
     ``~/.cache/aotc``).
     ``create``: make it when missing (journeys that write); otherwise a missing store is a
-    ``StoreNotFoundError`` naming the path."""
+    ``StoreNotFoundError`` naming the path. A store opened here is bounded by the settings'
+    ``AOTC_MAX_SIZE`` (a ``Store`` passed in keeps its own bound)."""
     if isinstance(store, Store):
         return store
+    settings = settings or Settings()
     if store is not None:
-        return Store(store, create=create)
+        return Store(store, create=create, max_size=settings.max_size)
     if manifest is not None and manifest.store is not None:
-        return Store(manifest.store, create=create)
-    return Store((settings or Settings()).default_store_path(), create=create)
+        return Store(manifest.store, create=create, max_size=settings.max_size)
+    return Store(settings.default_store_path(), create=create, max_size=settings.max_size)
 
 
 def split_store(store: Any, remote: Any, settings: Settings) -> tuple[Any, Any]:
