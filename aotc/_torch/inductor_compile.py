@@ -32,7 +32,7 @@ from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
 from aotc._torch.inductor_load import kernel_files as _kernel_files
 from aotc._torch.isa_probes import isa_probe_files, seed_isa_probes
-from aotc._torch.ops import graph_returns_tuple, undefined_outputs
+from aotc._torch.ops import graph_returns_tuple, undefined_outputs, written_inputs
 from aotc._torch.task_result import CompiledPiece
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
@@ -373,7 +373,14 @@ def finish_piece(p: PendingPiece, build_seconds: float = 0.0) -> CompiledPiece:
     kernel_root = p.out_dir / "kernels"
     record = training_path.record_training_fast_path if p.gm.meta.get(_TRAINING) else \
         wrapper.record_fast_path  # a training piece: its forward, backward and AOTAutograd's runtime
-    note = record(p.art, vals, tmp, files, p.out_dir / "wrapper.json", undefined_outputs(p.gm))
+    if record is wrapper.record_fast_path:  # the weights it only reads are not copied for the check
+        placeholders = sum(n.op == "placeholder" for n in p.gm.graph.nodes)
+        read_only = frozenset(range(len(vals))) - written_inputs(p.gm) if placeholders == len(vals) \
+            else frozenset()
+        note = record(p.art, vals, tmp, files, p.out_dir / "wrapper.json", undefined_outputs(p.gm),
+                      read_only=read_only)
+    else:
+        note = record(p.art, vals, tmp, files, p.out_dir / "wrapper.json", undefined_outputs(p.gm))
     phases["fast-path check"] = time.perf_counter() - t
     t = time.perf_counter()
     for rel in files:

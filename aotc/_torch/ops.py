@@ -9,7 +9,8 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["graph_returns_tuple", "mutated_args", "op_name", "op_schema", "stable_name", "undefined_outputs"]
+__all__ = ["graph_returns_tuple", "mutated_args", "op_name", "op_schema", "stable_name", "undefined_outputs",
+           "written_inputs"]
 
 
 def op_name(target: Any) -> str | None:
@@ -48,6 +49,38 @@ def stable_name(target: Any) -> str | None:
         if module is not None and getattr(module, name, None) is target:
             return f"{mod}.{name}"
     return f"{mod}.{qual}"
+
+
+def _written_values(n: torch.fx.Node) -> list[Any]:
+    """What ``n`` writes in place: its op's ``Tensor(a!)`` arguments, the object of an item
+    assignment, the tensor of an in-place method or function (``x.mul_(2)``, ``torch.relu_(x)``)."""
+    import operator
+
+    if n.op == "call_function":
+        name = str(getattr(n.target, "__name__", ""))
+        if n.target is operator.setitem or (name.endswith("_") and not name.startswith("_")):
+            return list(n.args[:1])
+        return mutated_args(n)
+    if n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("_"):
+        return list(n.args[:1])
+    return []
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """The positions of ``gm``'s placeholders that it may write in place: every placeholder
+    among the ancestors of a value written in place (:func:`_written_values`; an ancestor, not
+    only the value itself, because the value may be a view of it). Conservative: a placeholder
+    outside the set is only read."""
+    nodes = list(gm.graph.nodes)
+    seen: set[torch.fx.Node] = set()
+    todo = [a for n in nodes for a in _written_values(n) if isinstance(a, torch.fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    return frozenset(i for i, p in enumerate(placeholders) if p in seen)
 
 
 def op_schema(target: Any) -> str:

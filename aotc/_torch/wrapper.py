@@ -348,20 +348,31 @@ def same_outputs(a: Sequence[Any], b: Sequence[Any], undefined: frozenset[int] =
     return True
 
 
-def _clone(values: Sequence[Any]) -> list[Any]:
-    return [v.clone() if isinstance(v, torch.Tensor) and not is_subclass(v) else v for v in values]
+def _shared(v: Any, i: int, read_only: frozenset[int]) -> bool:
+    """Whether input ``i`` is passed to a check as it is: not a tensor, a subclass (a weight),
+    or a parameter the piece only reads (``read_only``: :func:`aotc._torch.ops.written_inputs`'s
+    complement) — a weight is not copied (at 0.5B the embedding alone is 545 MB: copied twice,
+    a cold compile took 1.3x eager's memory)."""
+    return not isinstance(v, torch.Tensor) or is_subclass(v) or (
+        i in read_only and isinstance(v, torch.nn.Parameter))
 
 
-def check_values(inputs: Sequence[Any]) -> list[Any]:
+def _clone(values: Sequence[Any], read_only: frozenset[int] = frozenset()) -> list[Any]:
+    return [v if _shared(v, i, read_only) else v.clone() for i, v in enumerate(values)]
+
+
+def check_values(inputs: Sequence[Any], read_only: frozenset[int] = frozenset()) -> list[Any]:
     """Fresh copies of a piece's inputs for a check run: floating tensors random (seeded), every
     other tensor copied as it is. Never the caller's own tensors: a piece may write its inputs in
     place (a static KV cache's write position, ``cumulative_length.add_(1)``), and a check that
     ran on the real ones would move a live model's state forward (transformers' ``generate()``
-    then wrote past its cache and a kernel's bounds check aborted the process)."""
+    then wrote past its cache and a kernel's bounds check aborted the process) — except the
+    parameters at positions in ``read_only`` (never written by the piece: :func:`_shared`),
+    read where they are."""
     gen = torch.Generator().manual_seed(0)
     out: list[Any] = []
-    for v in inputs:
-        if not isinstance(v, torch.Tensor) or is_subclass(v):  # (a subclass: a weight, read only)
+    for i, v in enumerate(inputs):
+        if _shared(v, i, read_only):
             out.append(v)
             continue
         fresh = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
@@ -378,13 +389,15 @@ def check_values(inputs: Sequence[Any]) -> list[Any]:
 
 def record_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any], cache_dir: Path,
                      kernel_files: Sequence[str], out_file: Path,
-                     undefined: frozenset[int] = frozenset()) -> str:
+                     undefined: frozenset[int] = frozenset(), read_only: frozenset[int] = frozenset()) -> str:
     """Extract the fast-path record of a just-compiled piece, check it against ``artifact``
     (Inductor's own callable) on ``inputs`` with random values, and write it to ``out_file``.
 
     Each side runs on its own copy of the inputs, and the inputs it mutates (a KV cache
     written in place) must end up identical too. ``undefined``: output positions whose
-    contents the piece never defines (see :func:`same_outputs`).
+    contents the piece never defines (see :func:`same_outputs`). ``read_only``: input
+    positions the piece never writes, whose parameters both sides read as they are
+    (:func:`check_values`).
     Returns "" when recorded, else the reason the piece keeps ``CompiledArtifact.load``.
     """
     try:
@@ -395,8 +408,8 @@ def record_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any], cache_
             raise Unsupported(str(e)) from e
         code = WrapperCode(code.source, code.kernels, code.externs, spec)
         fast = load(code, cache_dir)
-        values = check_values(inputs)
-        mine, theirs = _clone(values), values  # one copy: the values are fresh for this check
+        values = check_values(inputs, read_only)
+        mine, theirs = _clone(values, read_only), values  # one copy: the values are fresh for this check
         with torch.no_grad():
             want = artifact(*theirs)
             want = list(want) if isinstance(want, (list, tuple)) else [want]
