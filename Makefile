@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The demo uses a store inside the checkout so it never touches ~/.cache.
 DEMO_STORE ?= $(CURDIR)/.aotc-store
 
-.PHONY: install demo test test-quick bench bench-quick bench-vllm lint clean gpu-wheels test-torch-compat
+.PHONY: install demo test test-quick bench bench-quick bench-real bench-vllm lint clean gpu-wheels test-torch-compat
 
 install: $(STAMP)
 
@@ -48,6 +48,11 @@ bench: install
 	$(PY) -m bench.hf_generate
 	$(PY) -m bench.single_flight
 	$(PY) -m bench.clients --runs 3
+
+# a model of a size people serve (Qwen2-0.5B-shaped, written once under ~/.cache/aotc-bench) side by
+# side (<= 15 min on 2 cores): bench/results/real.{json,md}
+bench-real: install
+	$(PY) -m bench.real
 
 # the real vLLM engine side by side (<= 10 min): bench/results/vllm.{json,md}
 bench-vllm: install
