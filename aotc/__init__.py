@@ -19,7 +19,7 @@ importlib.import_module("aotc.compile")
 importlib.import_module("aotc.backend")
 
 __version__ = "0.1.0"
-__all__ = ["backend", "compile", "load", "precompile", "precompiled", "wait_for_merges", "__version__"]
+__all__ = ["backend", "compile", "load", "precompile", "precompiled", "__version__"]
 
 
 def compile(manifest: Any, store: Any = None, **kwargs: Any) -> Any:  # noqa: A001 - public API name
@@ -38,11 +38,11 @@ def backend(*args: Any, **kwargs: Any) -> Any:
 
 
 def wait_for_merges(timeout: float | None = None) -> bool:
-    """Wait (at most ``timeout`` seconds) for the merged programs this process's backend is
-    compiling in the background; True when none is left; see :mod:`aotc.backend.merged`."""
-    from aotc.backend.merge_child import wait_for_merges as wait
-
-    return wait(timeout)
+    """Deprecated: returns True at once. The backend's merged programs (compiled whole in a
+    background child) were removed in this version, so there is nothing to wait for; the name
+    is kept so that callers written for it keep working. ``timeout`` is ignored."""
+    del timeout
+    return True
 
 
 def load(manifest: Any = None, model: Any = None, store: Any = None, **kwargs: Any) -> Any:

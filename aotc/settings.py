@@ -2,7 +2,8 @@
 
 Entry points (the CLI's group, ``aotc.load``, ``aotc.compile``, the backend's call, the vLLM
 plugin) read the environment once — into an :class:`aotc.context.Context` — and pass it down;
-nothing else in aotc reads an ``AOTC_*`` variable (a layout test holds it).
+nothing else in aotc reads an ``AOTC_*`` variable (a layout test holds it). ``AOTC_MERGE`` (the
+backend's merged programs, removed) is no longer read: setting it does nothing.
 
 | variable | field | meaning |
 |---|---|---|
@@ -22,7 +23,6 @@ nothing else in aotc reads an ``AOTC_*`` variable (a layout test holds it).
 | ``AOTC_REPORT`` | ``report`` | a file the backend appends one JSON line to per graph it handles (key, hit, seconds): how ``aotc compile`` of a vLLM manifest learns what the engine's processes did |
 | ``AOTC_COMPILE_SIZES`` | ``compile_sizes`` | the backend's compile sizes (comma separated; default none: the dynamic artifact only) |
 | ``AOTC_VLLM_RECORDS`` | ``vllm_records`` | ``0``: aotc's vLLM plugin leaves vLLM's AOT cache alone (no shipped record is brought in, none vLLM saves is stored; :mod:`aotc.vllm.plugin`) |
-| ``AOTC_MERGE`` | ``merge`` | ``1``: the backend compiles a merged program of each split CPU graph in a background child and serves it at later starts (:mod:`aotc.backend.merged`; default off: the child outlives the call that started it, so the operator asks for it) |
 | ``AOTC_MAX_SIZE`` | ``max_size`` | the local store's bound (``10G``, ``500M``; binary units): after each put the least recently used entries are evicted while the store is over it — never one a running process holds or one used in the last 5 minutes (:mod:`aotc.cache.bound`); unset: no bound |
 | ``AOTC_FALLBACK`` | ``fallback`` | what a graph the backend cannot serve (unkeyable, a failed compile or numeric check, a damaged entry) falls back to: ``inductor`` (default), ``eager``, or ``error`` to raise (CI, tests) |
 """
@@ -42,7 +42,7 @@ ENV = {"store": "AOTC_STORE", "remote": "AOTC_REMOTE", "s3_endpoint": "AOTC_S3_E
        "report": "AOTC_REPORT", "fallback": "AOTC_FALLBACK", "log": "AOTC_LOG",
        "vllm_records": "AOTC_VLLM_RECORDS", "allow_unsigned": "AOTC_ALLOW_UNSIGNED",
        "signing_key": "AOTC_SIGNING_KEY", "lease_ttl": "AOTC_LEASE_TTL", "lease_wait": "AOTC_LEASE_WAIT",
-       "oci_insecure": "AOTC_OCI_INSECURE", "merge": "AOTC_MERGE", "max_size": "AOTC_MAX_SIZE"}
+       "oci_insecure": "AOTC_OCI_INSECURE", "max_size": "AOTC_MAX_SIZE"}
 
 
 def is_remote_url(value: object) -> bool:
@@ -75,7 +75,6 @@ class Settings:
     lease_wait: float = 1800.0  # the most seconds a process waits for another's lease
     oci_insecure: bool = False  # plain HTTP to an oci:// registry
     max_size: int | None = None  # bytes: the local store's bound (None: unbounded)
-    merge: bool = False  # opt-in (a background child outlives the call that started it): the backend's merged programs of split CPU graphs (aotc.backend.merged)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -106,7 +105,6 @@ class Settings:
             lease_ttl=_seconds(text["lease_ttl"], "lease_ttl", 60.0),
             lease_wait=_seconds(text["lease_wait"], "lease_wait", 1800.0),
             oci_insecure=_flag(text["oci_insecure"], False),
-            merge=_flag(text["merge"], False),
             max_size=parse_max_size(text["max_size"], ENV["max_size"]),
         )
 

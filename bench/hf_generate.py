@@ -12,9 +12,8 @@ every backend's first call); inductor cold (empty Inductor cache dir and TMPDIR)
 again); aotc cold (empty AOTC_STORE, Inductor dir and TMPDIR) and warm (that store, a NEW empty
 Inductor dir: aotc must not need Inductor's cache). Rounds interleave the contenders (``--runs``);
 figures are medians per contender. The decode ratio is measured apart, paired in ONE process
-(Inductor warm, aotc warm — the merged program its cold start compiled in the background — and
-aotc's split pieces alone: alternating blocks of generate() calls), since
-process-to-process decode figures here swing by more than the gap measured. Writes
+(Inductor warm and aotc warm: alternating blocks of generate() calls), since process-to-process
+decode figures here swing by more than the gap measured. Writes
 ``results/hf_generate.json`` and ``.md``.
 """
 
@@ -105,15 +104,8 @@ def child(cfg: dict[str, Any]) -> None:
     from bench.child import _counters  # Dynamo frames, Inductor compiles, aotc traces/compiles
 
     counters = _counters()
-    merge_wait_s = 0.0
-    if cfg["backend"] in ("aotc", "precompiled"):  # a cold start's merged programs (compiled in
-        import aotc  # the background, aotc.backend.merged): stored before the next contender starts
-
-        t = time.perf_counter()
-        aotc.wait_for_merges(900)
-        merge_wait_s = time.perf_counter() - t
     print(json.dumps({"first_s": first_s, "first_done_at": first_done_at, "counters": counters,
-                      "load_s": load_s, "merge_wait_s": merge_wait_s,
+                      "load_s": load_s,
                       "spawn_line_at": SPAWN_LINE_AT, "steady_s": statistics.median(times),
                       "tokens": out[:, PROMPT:].tolist()}))
 
@@ -198,12 +190,10 @@ def run_pair(cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
-# the paired decode measurement: Inductor warm, aotc warm (its merged program: the cold start
-# compiled it in the background, aotc.backend.merged), and aotc's pieces alone (merge=False)
+# the paired decode measurement: Inductor warm and aotc warm
 # (name, backend, aotc.backend(**kwargs) or None): every one under transformers' CompileConfig
 # mode ("reduce-overhead": on CPU, Inductor drops its per-call input asserts under it)
-PAIR = [("inductor", "inductor", None), ("aotc", "aotc", None),
-        ("aotc-pieces", "aotc", {"merge": False})]
+PAIR: list[tuple[str, str, dict[str, Any] | None]] = [("inductor", "inductor", None), ("aotc", "aotc", None)]
 
 
 def fresh(path: Path) -> Path:
@@ -221,9 +211,7 @@ def bench(work: Path, runs: int, threads: int) -> tuple[dict[str, list[dict[str,
     model = work / "model"
     make_model(model)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_", "AOTC_"))}
-    # AOTC_MERGE=1: this bench measures the opt-in merged program (off by default since #44) beside
-    # the pieces alone (PAIR's "aotc-pieces", merge=False: what the default serves)
-    base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", AOTC_MERGE="1")
+    base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1")
     raw: dict[str, list[dict[str, Any]]] = {c: [] for c in CONTENDERS}
     for i in range(runs):
         say(f"round {i + 1}/{runs}")
@@ -296,8 +284,6 @@ def ratios(s: dict[str, Any], pair: dict[str, Any]) -> dict[str, dict[str, Any]]
         out[k] = {"value": v, "goal": f"{op} {goal}", "met": met}
     for k, (a, b, field) in INFO.items():
         out[k] = {"value": div(get(a, field), get(b, field)), "goal": "–", "met": "info"}
-    out["aotc_pieces_decode_over_inductor_decode"] = {
-        "value": pair.get("aotc-pieces", {}).get("speed_over_inductor"), "goal": "–", "met": "info"}
     return out
 
 
@@ -333,8 +319,6 @@ def markdown(res: dict[str, Any]) -> str:
                                                  "in one process",
              "aotc_decode_over_inductor_decode_processes": "the same, each in its own process (the table's "
                                                            "decode column)",
-             "aotc_pieces_decode_over_inductor_decode": "aotc's split pieces alone (merge=False: no merged "
-                                                        "program) decode tok/s / inductor's, paired",
              "aotc_cold_first_over_inductor_cold_first": "aotc cold first generate / inductor cold first generate",
              "aotc_warm_first_over_dynamo_only_first": "aotc warm first generate / Dynamo's trace alone "
                                                        "(torch.compile backend=\"eager\") first generate",

@@ -90,7 +90,7 @@ def wheel_env(work: Path) -> dict[str, str]:
     """The environment of a process of the installed wheel: nothing of the checkout on its path."""
     env = python_env()
     env.pop("PYTHONPATH", None)
-    env.update(AOTC_MERGE="0", TMPDIR=str(work), HOME=str(work))
+    env.update(TMPDIR=str(work), HOME=str(work))
     return env
 
 
@@ -152,7 +152,6 @@ def test_the_wheels_cli_compiles_and_runs(installed) -> None:
 def test_a_store_the_wheel_filled_hits_from_the_checkout(installed) -> None:
     """One key for both installs, every front door: the checkout finds what the wheel stored."""
     env = python_env()
-    env["AOTC_MERGE"] = "0"
     res = subprocess.run([PYTHON, str(HELPERS / "key_probe.py"), str(installed["store"]), str(installed["manifest"]),
                           "none"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

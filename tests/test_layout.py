@@ -172,7 +172,7 @@ def test_aotc_variables_are_read_only_in_settings() -> None:
                                  "AOTC_SPLITTING_OPS", "AOTC_COMPILE_SIZES", "AOTC_REPORT", "AOTC_FALLBACK",
                                  "AOTC_LOG", "AOTC_VLLM_RECORDS", "AOTC_ALLOW_UNSIGNED",
                                  "AOTC_SIGNING_KEY", "AOTC_LEASE_TTL", "AOTC_LEASE_WAIT",
-                                 "AOTC_OCI_INSECURE", "AOTC_MERGE", "AOTC_MAX_SIZE"}
+                                 "AOTC_OCI_INSECURE", "AOTC_MAX_SIZE"}
 
 
 @pytest.mark.slow
@@ -322,7 +322,6 @@ ENTRY_POINTS = {
     ("aotc.dynamo_artifacts.build", "precompile"),  # aotc.precompile
     ("aotc.dynamo_artifacts.load", "precompiled"),  # aotc.precompiled
     ("aotc.context", "Context.from_env"),  # the reading itself
-    ("aotc.backend.merge_child", "main"),  # a merged program's ingest: a fresh interpreter
 }
 
 

@@ -93,3 +93,19 @@ def test_verify_signatures_without_policy_only_reports(signed) -> None:
     assert f"{k2[:16]}… toy-2: untrusted-signer" in res.output and "unsigned" in res.output
     res = _cli("--store", str(root), "verify", "--signatures", "--trust", "nothex")
     assert res.exit_code == 1 and "expected 64 hex chars" in res.output
+
+
+def test_can_sign_is_the_one_answer_to_whether_what_this_process_stores_passes_its_policy(tmp_path) -> None:
+    """``TieredStore.can_sign``: no trusted keys required, or the signing key is one of them."""
+    from aotc.fleet.tiered import TieredStore
+    from aotc.fleet.trust import TrustPolicy, generate_key, load_signer
+
+    public = generate_key(tmp_path / "k")
+    other = generate_key(tmp_path / "other")
+    signer = load_signer(tmp_path / "k")
+    store = Store(tmp_path / "s")
+    assert TieredStore(store).can_sign and TieredStore(store, signer=signer).can_sign
+    trusted = TrustPolicy(keys=frozenset({public}))
+    assert TieredStore(store, policy=trusted, signer=signer).can_sign
+    assert not TieredStore(store, policy=trusted).can_sign
+    assert not TieredStore(store, policy=TrustPolicy(keys=frozenset({other})), signer=signer).can_sign

@@ -193,8 +193,6 @@ def test_a_first_compile_through_the_backend_ships_vllms_record_to_the_next_repl
     assert entry.name == "tiny-llama" and lab.public in store.signatures(record)
     kinds = sorted(store.get(k).metadata.get("kind") for k in store.keys())
     assert kinds == ["graph", "vllm-aot-record", "vllm-modelinfo"], kinds
-    # vLLM's attention writes into a buffer its graph allocates: checked only in pieces, never merged
-    assert store.get(cold_key).metadata["mergeable"] is False
     assert f"stored as {record[:16]}…, signed, pushed to {lab.remote}" in cold["log"]
     assert "(+ 1 modelinfo)" in cold["log"]
     # the new replica: vLLM's own hash names the same place; the record written there, loaded

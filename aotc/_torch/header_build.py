@@ -17,10 +17,19 @@ The header's name hashes the kernels' build command, so the command is made here
 flags, the vector ISA of this machine, not minimally optimized). Only with no Inductor options
 of the manifest's own: they may change that command. Best effort: if anything differs, the
 kernels build the header as before.
+
+The build is a g++ run that Inductor starts from the background thread; a compile can finish
+before it does (its kernels did not need the header). Nothing of aotc outlives the call that
+started it: the compile that started a build waits for it before it returns
+(:func:`wait_for_header_builds`, called by the backend's and the manifest's compile; a few seconds
+at most, and the header is then whole for the next process), and an exit in between (the compile
+raised) waits too (``atexit``) rather than leave a compiler running behind its caller
+(``tests/test_no_leftovers.py``).
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import tempfile
 import threading
@@ -79,8 +88,27 @@ def _command_for(vec_isa: Any, probes: dict[str, Path]) -> tuple[Any, str, str, 
 _started: dict[str, threading.Thread] = {}
 
 
+# the most seconds an exiting process waits for its header builds (one g++ run: ~5–15 s cold)
+EXIT_WAIT = 600.0
+
+
+def wait_for_header_builds(timeout: float = EXIT_WAIT) -> None:
+    """Wait (at most ``timeout`` seconds each) for the header builds this process started
+    (module doc): the end of the compile that started them, so that no g++ of aotc's runs on
+    after the call."""
+    for thread in list(_started.values()):
+        thread.join(timeout)
+
+
+def _wait_at_exit() -> None:
+    """At interpreter exit: :func:`wait_for_header_builds` (module doc)."""
+    wait_for_header_builds()
+
+
 def _start(made: tuple[Any, str, str, dict[str, Any]]) -> threading.Thread:
     thread = threading.Thread(target=_run, args=made, name="aotc-header-build", daemon=True)
+    if not _started:
+        atexit.register(_wait_at_exit)
     _started[made[2]] = thread
     thread.start()
     return thread

@@ -388,9 +388,6 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     eager_pieces = {p.name: p.gm for p in parts.pieces if not p.is_splitting}
     zeroed_at = _zeroed_outputs(parts)
     zeroed = _zeroing(zeroed_at)
-    # compiled whole, a splitting op's output buffer could not be zeroed for the check (module
-    # doc): such a graph gets no merged program (aotc.backend.merged); nor does one not split
-    mergeable = any(p.is_splitting for p in parts.pieces) and not any(zeroed_at.values()) and not training
 
     def graph_check(prog: Program, by_uid: dict[str, dict[int | None, Any]]) -> dict[str, Any]:
         runner = GraphRunner(prog, by_uid, key, wrap_splitting=zeroed)
@@ -399,7 +396,7 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
 
     job = Job(key=key, name=name, factors=factors, first_of=first_of,
               shapes=[None, *sizes] if dynamic else [None], options=options, program=program,
-              check=graph_check, metadata={"kind": "graph", "warnings": warnings, "mergeable": mergeable},
+              check=graph_check, metadata={"kind": "graph", "warnings": warnings},
               around_check=dynamo.outside_trace)
     built = build(store, job, progress, seconds, signer=signer)
     for w in built.warnings:

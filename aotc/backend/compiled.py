@@ -42,13 +42,6 @@ def load_graph_program(key: str, context: Any, timings: Timings | None = None) -
         timings.pulled_bytes = tiered.pulled_bytes - before
         timings.add("pull", time.perf_counter() - t)
     fast = context.loader != "inductor"
-    if context.settings.merge and entry.metadata.get("mergeable"):
-        from aotc.backend.merged import serve_merged
-
-        whole = serve_merged(tiered, entry.factors, timings.pulled_bytes > 0,
-                             lambda m: runner_of(m, tiered, fast, timings))
-        if whole is not None:  # the graph compiled whole (aotc.backend.merged): served instead
-            return whole
     return runner_of(entry, tiered, fast, timings)
 
 

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aotc.errors import BackendError
+from aotc.log import logger
 from aotc.settings import Settings
+
+_log = logger("backend")
 
 __all__ = ["DEFAULT_INDUCTOR", "DEFAULT_SPLITTING_OPS", "FALLBACKS", "LATE_ENV", "BackendConfig", "fallback_policy",
            "mode_patches"]
@@ -110,7 +113,6 @@ class BackendConfig:
     mode: str | None = None
     graphs: bool = False  # CUDA graphs asked for (mode="reduce-overhead"/"max-autotune")
     fallback: str | None = None  # None: AOTC_FALLBACK, else "inductor"
-    merge: bool | None = None  # None: AOTC_MERGE (default off); aotc.backend.merged
 
     @classmethod
     def make(cls, store: Any = None, remote: Any = None, trust: Iterable[str] | str = (),
@@ -118,10 +120,13 @@ class BackendConfig:
              compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
              inductor: dict[str, Any] | None = None, name: str | None = None,
              mode: str | None = None, fallback: str | None = None,
-             merge: bool | None = None) -> BackendConfig:
+             merge: Any = None) -> BackendConfig:
         """Validate ``aotc.backend(...)``'s arguments (a bad one is a ``BackendError`` naming it).
         ``tolerance``: a float (atol = rtol), ``(atol, rtol)`` or ``{"atol": …, "rtol": …}``;
-        default by dtype (float32 1e-4, float16 1e-2, bfloat16 3e-2)."""
+        default by dtype (float32 1e-4, float16 1e-2, bfloat16 3e-2). ``merge``: removed (the
+        merged programs are gone); given, it is one warning line and ignored."""
+        if merge is not None:
+            _log.warning("aotc: warning: merged programs were removed in this version; merge= is ignored")
         atol = rtol = 1e-4
         if tolerance is not None:
             try:
@@ -149,8 +154,7 @@ class BackendConfig:
         return cls(store=store, remote=remote, trust=trust, splitting_ops=ops, compile_sizes=sizes,
                    atol=atol, rtol=rtol, tolerance_set=tolerance is not None,
                    inductor={**patches, **(DEFAULT_INDUCTOR if inductor is None else inductor)},
-                   name=name or "torch.compile", mode=mode, graphs=graphs, fallback=fallback,
-                   merge=None if merge is None else bool(merge))
+                   name=name or "torch.compile", mode=mode, graphs=graphs, fallback=fallback)
 
     def with_env(self, environ: Mapping[str, str]) -> BackendConfig:
         """This config with the Inductor settings a server set through the environment after
@@ -181,10 +185,6 @@ class BackendConfig:
         """The fallback policy: given, else ``AOTC_FALLBACK``, else ``inductor``."""
         return self.fallback or fallback_policy(settings.fallback)
 
-    def merges(self, settings: Settings) -> bool:
-        """Whether split CPU graphs get merged programs: given, else ``AOTC_MERGE`` (default off)."""
-        return settings.merge if self.merge is None else self.merge
-
     def ops(self, settings: Settings) -> tuple[str, ...]:
         """The splitting ops: given, else ``AOTC_SPLITTING_OPS``, else the defaults."""
         if self.splitting_ops is not None:
@@ -213,7 +213,8 @@ class BackendConfig:
 
 
 ARGUMENTS = ("store", "remote", "trust", "splitting_ops", "compile_sizes", "tolerance", "inductor",
-             "name", "mode", "fallback", "merge")
+             "name", "mode", "fallback")
+RETIRED = ("merge",)  # accepted for old callers, ignored with one warning (BackendConfig.make)
 
 
 def call_config(base: BackendConfig, kwargs: dict[str, Any]) -> BackendConfig:
@@ -235,7 +236,7 @@ def call_config(base: BackendConfig, kwargs: dict[str, Any]) -> BackendConfig:
         raise BackendError(f"torch.compile(backend='aotc', options=…) must be a dict, got "
                            f"{type(options).__name__}")
     rest = dict(options or {})
-    ours = {k: rest.pop(k) for k in list(rest) if k in ARGUMENTS}
+    ours = {k: rest.pop(k) for k in list(rest) if k in ARGUMENTS or k in RETIRED}
     cuda_graphs = rest.pop("triton.cudagraphs", None)
     unknown = sorted(k for k in rest if not (isinstance(k, str) and is_inductor_option(k)))
     if unknown:
@@ -245,8 +246,7 @@ def call_config(base: BackendConfig, kwargs: dict[str, Any]) -> BackendConfig:
     given = {"store": base.store, "remote": base.remote, "trust": base.trust,
              "splitting_ops": base.splitting_ops, "compile_sizes": base.compile_sizes,
              "tolerance": (base.atol, base.rtol) if base.tolerance_set else None,
-             "inductor": base.inductor, "name": base.name, "fallback": base.fallback,
-             "merge": base.merge, **ours}
+             "inductor": base.inductor, "name": base.name, "fallback": base.fallback, **ours}
     if mode is not None:
         given["mode"] = mode
     made = BackendConfig.make(**given)

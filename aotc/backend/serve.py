@@ -7,8 +7,8 @@ splitting ops + compile sizes. A stored entry (or one pulled from the remote, ve
 rehydrated through the no-Inductor fast path; a miss compiles, checks and stores it
 (:mod:`aotc.backend.build`) and pushes it when a remote is set. Either way Dynamo gets an
 :class:`~aotc.backend.compiled.AotcCompiled`, which torch's and vLLM's AOT paths can save as
-just the key. A split CPU graph is also compiled whole in a forked child once served, and later
-starts serve that merged program instead of the pieces (:mod:`aotc.backend.merged`).
+just the key. (The opt-in merged programs — a split CPU graph compiled whole in a forked child
+and served instead of its pieces — were removed: docs/decisions.md, 2026-12-06.)
 
 A graph traced with grad on whose inputs (the weights) require grad is compiled for training:
 each piece's forward and backward (AOTAutograd's), both stored; the check compares gradients as
@@ -133,7 +133,6 @@ class AotcBackend:
         """The stored program of this graph: local, pulled, or built here (the tiered store's
         one fleet journey, :meth:`aotc.fleet.tiered.TieredStore.get_or_build`)."""
         from aotc.backend.graphkey import graph_device, static_graph
-        from aotc.backend.merged import merge_later
         from aotc.fleet.tiered import Wanted
 
         t0 = time.perf_counter()
@@ -165,37 +164,23 @@ class AotcBackend:
                                   "store": str(tiered.local.root), "pieces": meta["pieces"],
                                   "unique_pieces": meta["unique_pieces"], "compiles": meta["compiles"],
                                   "shared": meta.get("shared", 0), "numerics": meta["numerics"]})
-            merge_later(gm, example_inputs, key, factors, meta, cfg, context, tiered, _compile_and_store)
             return served.built.compiled
-        def load(entry: Any, as_key: str | None = None) -> Any:
-            return self._load(entry, tiered, cfg, settings, t0, pulled=served.pulled,
-                              pulled_bytes=tiered.pulled_bytes - pulled_before, as_key=as_key)
-
-        if cfg.merges(settings) and served.entry.metadata.get("mergeable"):
-            from aotc.backend.merged import serve_merged
-
-            whole = serve_merged(tiered, factors, served.pulled, lambda m: load(m, as_key=key))
-            if whole is not None:  # the graph compiled whole: served instead of its pieces
-                return whole
-        compiled = load(served.entry)
-        merge_later(gm, example_inputs, key, factors, served.entry.metadata, cfg, context, tiered,
-                    _compile_and_store)
-        return compiled
+        return self._load(served.entry, tiered, cfg, settings, t0, pulled=served.pulled,
+                          pulled_bytes=tiered.pulled_bytes - pulled_before)
 
     def _load(self, entry: Any, tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
-              pulled: bool, pulled_bytes: int, as_key: str | None = None) -> Any:
-        """The stored graph ``entry`` as Dynamo's callable (saved as ``as_key``, the pieces' key,
-        when ``entry`` is their merged program: a later load finds it from there)."""
+              pulled: bool, pulled_bytes: int) -> Any:
+        """The stored graph ``entry`` as Dynamo's callable."""
         from aotc._torch import dynamo
         from aotc.backend.compiled import AotcCompiled, runner_of
 
         with dynamo.outside_trace():
             runner = runner_of(entry, tiered, fast=settings.loader != "inductor")
-        self._done(settings, {"key": as_key or entry.key, "hit": True, "pulled": pulled,
+        self._done(settings, {"key": entry.key, "hit": True, "pulled": pulled,
                               "pulled_bytes": pulled_bytes,
                               "seconds": round(time.perf_counter() - t0, 3),
-                              "store": str(tiered.local.root), **({"merged": entry.key} if as_key else {})})
-        return AotcCompiled(as_key or entry.key, runner, cfg.store)
+                              "store": str(tiered.local.root)})
+        return AotcCompiled(entry.key, runner, cfg.store)
 
     def _build(self, gm: Any, example_inputs: Sequence[Any], key: str, factors: dict[str, Any],
                tiered: Any, cfg: BackendConfig, context: Any, tolerance: tuple[float, float]) -> Any:
@@ -207,9 +192,8 @@ class AotcBackend:
         from aotc.cache import StoreReadOnlyError
         from aotc.errors import TrustError
 
-        store, settings = tiered.local, context.settings
-        signer = context.signer  # a bad AOTC_SIGNING_KEY fails here, before any work
-        if tiered.policy.keys and (signer is None or signer.public not in tiered.policy.keys):
+        store, settings = tiered.local, context.settings  # (a bad AOTC_SIGNING_KEY failed opening it)
+        if not tiered.can_sign:
             raise TrustError(f"graph {key[:16]}… is in neither the store nor the remote, and a trust "
                              "policy is set (AOTC_TRUST_KEYS / trust=): set AOTC_SIGNING_KEY to a "
                              "trusted key so this process signs what it compiles, or compile it "
@@ -227,8 +211,6 @@ class AotcBackend:
         self.last = what
         how = ("pulled from the remote" if what["pulled"] else "loaded from the store") if what["hit"] \
             else f"compiled {what['compiles']} pieces, checked, stored"
-        if what.get("merged"):
-            how += f" (its merged program {what['merged'][:16]}…)"
         _log.info(f"aotc: graph {what['key'][:16]}… {'hit' if what['hit'] else 'miss'}: {how} in "
                   f"{what['seconds']:.2f}s ({what['store']})")
         if settings.report:
@@ -248,16 +230,19 @@ def _compile_and_store(gm: Any, example_inputs: Sequence[Any], key: str, factors
                        tolerance: tuple[float, float]) -> dict[str, Any]:
     """Split, compile, check and store the graph under ``key`` (:func:`aotc.backend.build.build_entry`),
     signed when the context has a signing key; the entry's metadata."""
-    from aotc._torch import dynamo
+    from aotc._torch import dynamo, header_build
     from aotc.backend.build import build_entry
     from aotc.progress import Progress
 
     settings, (atol, rtol) = context.settings, tolerance
-    with dynamo.outside_trace():
-        return build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
-                           ops=cfg.ops(settings), sizes=cfg.sizes(settings),
-                           options=dict(cfg.inductor), atol=atol, rtol=rtol,
-                           progress=Progress(), signer=context.signer)
+    try:
+        with dynamo.outside_trace():
+            return build_entry(gm, example_inputs, store, key, factors, name=cfg.name,
+                               ops=cfg.ops(settings), sizes=cfg.sizes(settings),
+                               options=dict(cfg.inductor), atol=atol, rtol=rtol,
+                               progress=Progress(), signer=context.signer)
+    finally:  # the kernels' header build it started ends with this call (nothing left behind)
+        header_build.wait_for_header_builds()
 
 
 @dataclass(frozen=True)
@@ -278,7 +263,7 @@ def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = 
             compile_sizes: Iterable[int] | str | None = None, tolerance: Any = None,
             inductor: dict[str, Any] | None = None, name: str | None = None,
             mode: str | None = None, fallback: str | None = None,
-            merge: bool | None = None) -> AotcBackend:
+            merge: Any = None) -> AotcBackend:
     """A configured ``torch.compile`` backend. ``store``: a directory or ``s3://`` URL (default
     ``AOTC_STORE``); ``remote``: pull-through and push target (default ``AOTC_REMOTE``);
     ``trust``: public keys an entry must be signed by (besides ``AOTC_TRUST_KEYS``);
@@ -288,8 +273,7 @@ def backend(store: Any = None, remote: Any = None, trust: Iterable[str] | str = 
     ``inductor``: config patches; ``name``: the store entry's name; ``mode``: a ``torch.compile``
     mode (:func:`aotc.backend.config.mode_patches`); ``fallback``: ``inductor``, ``eager`` or
     ``error`` for a graph aotc cannot serve (default ``AOTC_FALLBACK``, else ``inductor``);
-    ``merge``: compile a split CPU graph whole in the background and serve that once stored
-    (:mod:`aotc.backend.merged`; default ``AOTC_MERGE``, else off)."""
+    ``merge``: removed (merged programs are gone): given, it is one warning line and ignored."""
     return AotcBackend(BackendConfig.make(store, remote, trust, splitting_ops, compile_sizes,
                                           tolerance, inductor, name, mode, fallback, merge))
 

@@ -136,7 +136,10 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         raise StoreReadOnlyError(str(store.root), "compile into it")
 
     def compile_here() -> CompileResult:
-        return _compile_traced(manifest, tiered, force, progress, jobs, toolchain, base, seconds)
+        try:
+            return _compile_traced(manifest, tiered, force, progress, jobs, toolchain, base, seconds)
+        finally:  # the kernels' header build it started ends with this call (nothing left behind)
+            header_build.wait_for_header_builds()
 
     if force:
         result = compile_here()

@@ -3,9 +3,12 @@
 For each example input, one fullgraph Dynamo trace of the target with aotc as the backend
 (:mod:`aotc._torch.precompile`): the graph is compiled (or found) and stored as any backend graph
 is, and Dynamo's bytecode and guards come back as bytes. The bytes of every example input go into
-one entry (blob roles ``dynamo.0``, ``dynamo.1``, …) keyed by :mod:`aotc.dynamo_artifacts.key`, signed
-when a signing key is set and pushed when a remote is — the graph entries it calls went the same
-way. :func:`aotc.precompiled` loads it.
+one entry (blob roles ``dynamo.0``, ``dynamo.1``, …) keyed by :mod:`aotc.dynamo_artifacts.key` and
+stored through the tiered store's one journey (:meth:`~aotc.fleet.tiered.TieredStore.get_or_build`
+by that key: local → the node's build lease → remote → put, signed when a signing key is set →
+push), as the graph entries it calls were: two processes precompiling the same function on one
+node compile its graphs once (the backend's lease) and store its artifact once (this one's).
+:func:`aotc.precompiled` loads it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
         named_target,
         probe_for,
     )
+    from aotc.fleet.tiered import Wanted
     from aotc.log import configure
     from aotc.lookup.toolchain import machine_factors, remember_fresh_values
     from aotc.records.key import compute_key
@@ -81,8 +85,8 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     identity, module = named_target(target)
     name = name or identity
     inputs = [example_input(v, f"example_inputs[{i}]") for i, v in enumerate(example_inputs)]
-    tiered = context.open_tiered(create=True)
-    _check_signable(tiered, context, identity)
+    tiered = context.open_tiered(create=True)  # a bad AOTC_SIGNING_KEY fails here
+    _check_signable(tiered, identity)
     dev = device or device_of(target)
     try:
         probe = probe_for(identity, name, machine_factors(dev, tiered.local.base / "toolchain"),
@@ -104,9 +108,14 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     factors = full_factors(probe.base, code, input_specs(inputs), dyn.global_state(), graphs,
                            [dyn.identities(fn) for fn in functions])
     key = compute_key(factors)
-    tiered.publish(key, name, blobs, factors, metadata={
-        "probe": probe.key, "kind": KIND, "target": identity, "module": module, "graph_keys": graphs,
-        "functions": len(functions), "bytes": sum(len(b) for b in blobs.values())})
+    metadata = {"probe": probe.key, "kind": KIND, "target": identity, "module": module, "graph_keys": graphs,
+                "functions": len(functions), "bytes": sum(len(b) for b in blobs.values())}
+    what = f"precompiled {identity}"
+    served = tiered.get_or_build(Wanted.by_key(key, what), lambda: tiered.put(key, name, blobs, factors, metadata))
+    if served.entry is not None and not served.pulled and not tiered.local.read_only:
+        # stored here before (or by another process meanwhile): signed and pushed as a put would be
+        tiered.sign(key)
+        tiered.push(key, what)
     _log.info(f"aotc: precompiled {identity}: {len(functions)} function(s) traced and stored as "
               f"{key[:16]}… in {time.perf_counter() - t0:.2f}s")
     remember_fresh_values(dev, tiered.local.base / "toolchain")  # the warm start's lookup, without Inductor
@@ -114,11 +123,11 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
                        store=str(tiered.local.root))
 
 
-def _check_signable(tiered: Any, context: Any, identity: str) -> None:
+def _check_signable(tiered: Any, identity: str) -> None:
     """Under a trust policy, what this process stores must be signed by a trusted key — else every
-    later process would refuse it (and trace forever): refused before any work."""
-    signer = context.signer  # a bad AOTC_SIGNING_KEY fails here
-    if tiered.policy.keys and (signer is None or signer.public not in tiered.policy.keys):
+    later process would refuse it (and trace forever): refused before any work
+    (:attr:`~aotc.fleet.tiered.TieredStore.can_sign`)."""
+    if not tiered.can_sign:
         raise PrecompileError(f"{identity}: a trust policy is set (AOTC_TRUST_KEYS / trust=) and this process "
                               "has no trusted signing key: what it stored would be refused; set "
                               "AOTC_SIGNING_KEY to a trusted key, or precompile where it is signed and push it")

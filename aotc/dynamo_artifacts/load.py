@@ -112,8 +112,7 @@ def _find_and_load(target: Callable[..., Any], identity: str, module: str, name:
     except StoreNotFoundError as e:
         _log.info(f"aotc: precompiled {identity}: {e}")
         return Precompiled(target, identity, [], None, traced, build)
-    signer = context.signer
-    if build is not None and tiered.policy.keys and (signer is None or signer.public not in tiered.policy.keys):
+    if build is not None and not tiered.can_sign:
         _log.info(f"aotc: precompiled {identity}: a trust policy is set and this process has no trusted "
                   "signing key: nothing is precompiled here (set AOTC_SIGNING_KEY)")
         build = None

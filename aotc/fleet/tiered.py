@@ -9,8 +9,16 @@ fleet builds, the others wait and pull) → build (the caller's function, which 
 :meth:`TieredStore.put`: signed in the same transaction when a signing key is set) → push. One
 error policy: a remote entry that is unreachable, damaged or refused is one warning and a build
 here; a failed push is one warning (the entry stands here; ``aotc push`` feeds the fleet later).
-The manifest pipeline, the backend and the vLLM plugin call it with only how to build.
 :meth:`TieredStore.get` / :meth:`TieredStore.find` are the loader's half (no build).
+
+Which door takes which part: the manifest pipeline (by its probe), the backend (by the graph's
+key) and ``aotc.precompile`` (its Dynamo artifact, by the key its trace computes) call
+:meth:`~TieredStore.get_or_build` with only how to build. vLLM's AOT records (and their model
+info) are files vLLM already wrote — nothing for aotc to build under a lease — so the plugin and
+``aotc compile`` of a vLLM manifest call :meth:`~TieredStore.publish`, the journey's second half
+alone (put, signed in its transaction → push). Whether what this process stores passes its trust
+policy is one answer, :attr:`TieredStore.can_sign`: the backend, ``aotc.precompile`` and
+``aotc.precompiled``'s first-call build ask it before any work.
 
 Every one of them first checks that the local store is safe to load code from
 (:func:`aotc.fleet.trust.enforce_store`: nobody but this user or root can write it, unless the
@@ -104,6 +112,14 @@ class TieredStore:
     def has(self, key: str) -> bool:
         """Whether the local tier holds ``key`` (the remote is not asked)."""
         return self.local.has(key)
+
+    @property
+    def can_sign(self) -> bool:
+        """Whether what this process stores here would pass its own trust policy: no trusted
+        keys are required, or its signing key (``signer``) is one of them. The one answer to
+        "can this process sign?" every door that builds asks before any work (else what it
+        stored would be refused by every later load, and it would build forever)."""
+        return not self.policy.keys or (self.signer is not None and self.signer.public in self.policy.keys)
 
     # -- the loader's half ------------------------------------------------------------------
     def get(self, key: str, miss_hint: str = "", wait: bool = True,
@@ -240,8 +256,9 @@ class TieredStore:
 
     def publish(self, key: str, name: str, blobs: dict[str, Any], factors: dict[str, Any],
                 metadata: dict[str, Any]) -> Entry:
-        """:meth:`put` (signed) and :meth:`push`: how a front door ships a file it did not build
-        through :meth:`get_or_build` (vLLM's AOT record)."""
+        """The second half of :meth:`get_or_build`'s journey alone — :meth:`put` (signed in its
+        transaction) then :meth:`push` (one warning if it fails) — for a file a front door did
+        not build under a lease (vLLM's AOT record, written by vLLM; module doc)."""
         entry = self.put(key, name, blobs, factors, metadata)
         self.push(key, name)
         return entry

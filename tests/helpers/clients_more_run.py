@@ -376,10 +376,6 @@ def main() -> None:
                          "seconds": round(time.perf_counter() - start, 2)}
         print(f"clients_more: {case}: {results[case].get('error') or 'ok'} "
               f"({results[case]['seconds']}s)", file=sys.stderr, flush=True)
-    if BACKEND in ("aotc", "precompiled"):  # merged programs compiling in the background
-        import aotc  # (aotc.backend.merged): stored before the next process starts, not timed
-
-        aotc.wait_for_merges(900)
     print(json.dumps({"backend": BACKEND, "cases": results, "counters": counters_snapshot()}))
 
 
