@@ -61,3 +61,10 @@ def test_read_only_parameters_are_shared_and_the_rest_copied() -> None:
     assert mine[1] is w and mine[0] is not values[0] and mine[2] is not values[2]
     # without the piece's word, nothing of the caller's is passed
     assert all(v is not o for v, o in zip(check_values([x, w]), [x, w]))
+
+
+def test_a_large_read_only_plain_tensor_is_shared_a_small_one_randomized() -> None:
+    big, small = torch.zeros(1 << 18), torch.zeros(16)  # 1 MiB and 64 bytes, read only
+    values = check_values([big, small], read_only=frozenset({0, 1}))
+    assert values[0] is big  # a weight the manifest's capture passes as a plain tensor
+    assert values[1] is not small and bool(values[1].abs().sum() > 0)  # random, not zeros

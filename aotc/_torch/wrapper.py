@@ -348,13 +348,22 @@ def same_outputs(a: Sequence[Any], b: Sequence[Any], undefined: frozenset[int] =
     return True
 
 
+# a read-only input this large is read where it is, not copied for a check (module doc of _shared)
+SHARED_BYTES = 1 << 20
+
+
 def _shared(v: Any, i: int, read_only: frozenset[int]) -> bool:
     """Whether input ``i`` is passed to a check as it is: not a tensor, a subclass (a weight),
-    or a parameter the piece only reads (``read_only``: :func:`aotc._torch.ops.written_inputs`'s
-    complement) — a weight is not copied (at 0.5B the embedding alone is 545 MB: copied twice,
-    a cold compile took 1.3x eager's memory)."""
-    return not isinstance(v, torch.Tensor) or is_subclass(v) or (
-        i in read_only and isinstance(v, torch.nn.Parameter))
+    or an input the piece only reads (``read_only``: :func:`aotc._torch.ops.written_inputs`'s
+    complement) that is a parameter or at least ``SHARED_BYTES`` big — a weight, whatever
+    wrapper it comes in (the manifest's capture hands the pieces plain tensors). Copied twice,
+    at 0.5B the embedding alone (545 MB) took a cold compile to 1.3x eager's memory; a small
+    read-only input (an activation, a mask) still gets random values, so that the check does
+    not compare two runs on zeros."""
+    if not isinstance(v, torch.Tensor) or is_subclass(v):
+        return True
+    return i in read_only and (isinstance(v, torch.nn.Parameter)
+                               or v.numel() * v.element_size() >= SHARED_BYTES)
 
 
 def _clone(values: Sequence[Any], read_only: frozenset[int] = frozenset()) -> list[Any]:
