@@ -71,7 +71,7 @@ def test_unknown_torch_compile_options_are_named() -> None:
 
 
 def test_defaults_come_from_the_settings() -> None:
-    from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
+    from aotc.backend.config import DEFAULT_INDUCTOR, DEFAULT_SPLITTING_OPS, BackendConfig
     from aotc.errors import BackendError
     from aotc.settings import Settings
 
@@ -82,7 +82,7 @@ def test_defaults_come_from_the_settings() -> None:
     assert "vllm::unified_attention_with_output" in DEFAULT_SPLITTING_OPS
     assert "vllm::unified_kv_cache_update" in DEFAULT_SPLITTING_OPS
     assert cfg.tolerance_for(torch.bfloat16) == (3e-2, 3e-2)
-    assert cfg.inductor == {}  # Inductor's defaults: the thread count is keyed
+    assert cfg.inductor == DEFAULT_INDUCTOR  # Inductor's defaults (no header): the thread count is keyed
     assert BackendConfig.make(inductor={}).inductor == {}
     with pytest.raises(BackendError, match="AOTC_COMPILE_SIZES"):
         cfg.sizes(Settings.from_env({"AOTC_COMPILE_SIZES": "big"}))
@@ -319,7 +319,9 @@ def test_dynamic_threads_set_in_the_environment_after_import_is_a_patch() -> Non
 
     plain = BackendConfig.make()
     assert plain.with_env({}) is plain
-    assert plain.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}).inductor == {"cpp.dynamic_threads": True}
-    assert plain.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "0"}).inductor == {"cpp.dynamic_threads": False}
+    assert plain.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}).inductor == {**plain.inductor,
+                                                                                  "cpp.dynamic_threads": True}
+    assert plain.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "0"}).inductor == {**plain.inductor,
+                                                                                  "cpp.dynamic_threads": False}
     given = BackendConfig.make(inductor={"cpp.dynamic_threads": False})
     assert given.with_env({"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1"}) is given

@@ -15,7 +15,7 @@ import torch
 from torch._inductor import config
 
 from aotc._torch.inductor_facts import CONFIG_DENY, _config_patch, config_values
-from aotc.backend.config import BackendConfig
+from aotc.backend.config import DEFAULT_INDUCTOR, BackendConfig
 from aotc.backend.serve import backend_key
 from aotc.records.key import canonical_json
 from tests.conftest import PYTHON, python_env
@@ -62,7 +62,7 @@ def test_the_thread_count_kernels_are_written_for_is_keyed(graph) -> None:
     count), so another thread count is another key, as in Inductor's FX graph cache; kernels
     that read the count at run time (``cpp.dynamic_threads``) or a fixed ``cpp.threads`` are
     keyed the same under any count."""
-    assert BackendConfig().inductor == {}
+    assert BackendConfig().inductor == DEFAULT_INDUCTOR
     dynamic = BackendConfig.make(inductor={"cpp.dynamic_threads": True})
     fixed = BackendConfig.make(inductor={"cpp.threads": 4})
     threads = torch.get_num_threads()

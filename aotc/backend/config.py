@@ -34,12 +34,19 @@ DEFAULT_SPLITTING_OPS = (
 # parsed as Inductor parses them ("1": on), besides Inductor's own read at its import
 LATE_ENV = {"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "cpp.dynamic_threads"}
 
-# Inductor patches the backend compiles with unless given others: none, Inductor's own defaults.
-# CPU kernels are then written for the process's thread count, which is in the key
-# (aotc.lookup.resolve.inductor_factors); kernels that read it at run time
-# (``cpp.dynamic_threads``, which vLLM's CPU platform sets for its workers) cost a decode step
-# of transformers' generate() 3 % here (bench/hf_generate.py's decode, paired in one process).
-DEFAULT_INDUCTOR: dict[str, Any] = {}
+# Inductor patches the backend compiles with unless given others: Inductor's own defaults but for
+# the precompiled C++ header, which is off. CPU kernels are written for the process's thread
+# count, which is in the key (aotc.lookup.resolve.inductor_factors); kernels that read it at run
+# time (``cpp.dynamic_threads``, which vLLM's CPU platform sets for its workers) cost a decode
+# step of transformers' generate() 3 % here (bench/hf_generate.py's decode, paired in one process).
+# The header (aotc's fixed config turns it on: aotc._torch.inductor_facts): ``aotc compile``
+# builds it while Dynamo traces, but the backend is called after the trace, so on a machine
+# without the header its ~150 MB build stood between the trace and the first kernel: off, a cold
+# backend compile of the 0.5B bench model took 11.4 s instead of 15.7 s, of the toy Llama 6.5-7.0
+# instead of 9.8-10.4 s; on a machine that has the header it costs the toy ~0.7 s (5.6 vs 5.0 s)
+# and the 0.5B model nothing measurable (one batched translation unit per compile parses the
+# headers once). A fixed choice, not one made by whether the header exists here: it is in the key.
+DEFAULT_INDUCTOR: dict[str, Any] = {"cpp_cache_precompile_headers": False}
 
 
 def _sizes(value: Any, where: str) -> tuple[int, ...]:
