@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,3 +147,19 @@ def read_blob_bytes(blob_path: Path, digest: str, expected_size: int | None) -> 
 def hash_blob(blob_path: Path, digest: str, expected_size: int | None) -> int:
     """Verify a blob without keeping its bytes; returns the uncompressed size."""
     return stream_blob(blob_path, digest, expected_size, lambda _chunk: None)
+
+
+def extract_to(blob_path: Path, digest: str, expected_size: int | None, dest: Path) -> Path:
+    """Stream a blob, verified, to ``dest``: written beside it first and renamed when good;
+    ``BlobCorrupt`` (nothing left beside ``dest``) when its bytes do not hash to ``digest``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
+    partial = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            stream_blob(blob_path, digest, expected_size, out.write)
+        os.replace(partial, dest)
+    except BaseException:  # a bad blob, the rename too: nothing of ours is left beside ``dest``
+        partial.unlink(missing_ok=True)
+        raise
+    return dest

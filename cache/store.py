@@ -21,12 +21,11 @@ import json
 import logging
 import os
 import sqlite3
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from aotc.cache import blobio, bound, events
 from aotc.cache.entry import ENTRY_REFS_SQL, BlobRef, Entry, SignFunction, entry_from_rows, signing_payload
@@ -93,9 +92,8 @@ class Store:
                 if not ignore.exists():
                     ignore.write_text("*\n")
             except OSError as exc:
-                raise StoreError(
-                    f"cannot create the store at {self.root}: {exc}; pass --store DIR or set AOTC_STORE"
-                ) from exc
+                raise StoreError(f"cannot create the store at {self.root}: {exc}; pass --store DIR or "
+                                 "set AOTC_STORE") from exc
         self.index = Index(self.index_path, busy_timeout=busy_timeout, read_only=self.read_only)
 
     def __repr__(self) -> str:
@@ -105,7 +103,6 @@ class Store:
         """Close this thread's index connection."""
         self.index.close()
 
-    # -- paths ------------------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
         """Where a blob lives (the digest is validated first: index rows may be garbage)."""
         if not blobio.is_digest(digest):
@@ -277,7 +274,6 @@ class Store:
             return blobio.read_blob_bytes(self.blob_path(ref.digest), ref.digest, ref.size)
         except blobio.BlobCorrupt as exc:
             self._corrupt(entry.key, ref, str(exc))
-            raise AssertionError("unreachable") from exc  # pragma: no cover
 
     def verify_blob(self, entry: Entry, role: str) -> None:
         """Re-hash one blob of ``entry`` without keeping its bytes (``CorruptedCacheError`` and
@@ -291,21 +287,10 @@ class Store:
     def extract_blob(self, entry: Entry, role: str, dest: str | os.PathLike[str]) -> Path:
         """Stream one blob, verified, to ``dest`` (written beside it first, renamed when good)."""
         ref = self._ref(entry, role)
-        dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent)
-        partial = Path(tmp_name)
         try:
-            with os.fdopen(fd, "wb") as out:
-                blobio.stream_blob(self.blob_path(ref.digest), ref.digest, ref.size, out.write)
-            os.replace(partial, dest)
+            return blobio.extract_to(self.blob_path(ref.digest), ref.digest, ref.size, Path(dest))
         except blobio.BlobCorrupt as exc:
-            partial.unlink(missing_ok=True)
             self._corrupt(entry.key, ref, str(exc))
-        except BaseException:  # the rename too: nothing of ours is left beside ``dest``
-            partial.unlink(missing_ok=True)
-            raise
-        return dest
 
     def extract_blobs(
         self, entry: Entry, dests: Mapping[str, str | os.PathLike[str]], workers: int | None = None
@@ -329,14 +314,13 @@ class Store:
                 f"entry {entry.key[:16]}… has no blob {role!r} (it has {sorted(entry.blobs)})"
             ) from None
 
-    def _corrupt(self, key: str, ref: BlobRef, problem: str) -> None:
+    def _corrupt(self, key: str, ref: BlobRef, problem: str) -> NoReturn:
         """A blob read failed: mark the entry bad only if it still uses that blob (it may have
         been replaced or evicted while we read it — then this is a miss, not corruption)."""
         if self.mark_bad(key, f"blob {ref.role!r} {ref.digest[:16]}…: {problem}", digest=ref.digest):
             raise CorruptedCacheError(key, ref.role, ref.digest, problem)
         raise CacheMiss(key, hint="the entry was replaced or evicted while being read; look it up again")
 
-    # -- bookkeeping ------------------------------------------------------------------------
     def mark_bad(self, key: str, reason: str, digest: str | None = None) -> bool:
         """Flag an entry so it is never used again until repaired or re-put. With ``digest``,
         only while the entry still refers to that blob. Returns whether it was flagged
@@ -367,7 +351,7 @@ class Store:
 
         return delete_entries(self, [key])
 
-    # -- signatures (the cryptography is in aotc.fleet.trust; the store keeps the rows) -----------
+    # -- signatures (the cryptography is in aotc.fleet.trust; the store keeps the rows)
     @staticmethod
     def signing_payload(entry: Entry) -> bytes:
         """The bytes a signature covers (``aotc.cache.entry.signing_payload``)."""
