@@ -289,11 +289,9 @@ def ratios(s: dict[str, Any], pair: dict[str, Any]) -> dict[str, dict[str, Any]]
 
 def markdown(res: dict[str, Any]) -> str:
     """A small table, the ratios with their goals, and the machine."""
+    from bench.report import fmt as f
+
     m = res["machine"]
-
-    def f(v: Any, spec: str = ".2f") -> str:
-        return "–" if v is None else format(v, spec)
-
     lines = [f"### transformers generate(), static cache, compiled decode step — {m['date']}", "",
              f"{m['cores']} cores, {res['config']['threads']} threads · torch {m['torch']} · "
              f"transformers {m['transformers']} · tiny Llama (4 layers, hidden 128) · batch {BATCH}, "
@@ -362,12 +360,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "contenders": summary, "ratios": ratios(summary, pair), "decode_pair": pair,
            "raw": {k: [{x: y for x, y in r.items() if x != "tokens"} for r in v] for k, v in raw.items()},
            "bench_seconds": time.perf_counter() - t0}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hf_generate.json").write_text(json.dumps(res, indent=1))
-    table = markdown(res)
-    (out / "hf_generate.md").write_text(table)
-    print(table)
+    from bench.report import write_results
+
+    write_results(args.out, "hf_generate", res, markdown(res))
     return res
 
 

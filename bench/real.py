@@ -369,19 +369,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(res))
         return res
     from bench.real_report import markdown, summarize
-    from bench.report import byte_compile_aotc
+    from bench.report import byte_compile_aotc, write_results
 
     byte_compile_aotc()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="aotc-real-") as tmp:
         got = bench(Path(tmp), args.runs, args.cold_runs, args.threads, args.decode_rounds)
     res = summarize(got, args, time.perf_counter() - t0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "real.json").write_text(json.dumps(res, indent=1))
-    table = markdown(res)
-    (out / "real.md").write_text(table)
-    print(table)
+    write_results(args.out, "real", res, markdown(res))
     return res
 
 

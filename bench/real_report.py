@@ -76,10 +76,9 @@ def summarize(got: dict[str, Any], args: Any, seconds: float) -> dict[str, Any]:
 
 def markdown(res: dict[str, Any]) -> str:
     """The contenders' table, the paired figures and the ratios with their goals."""
-    m, c = res["machine"], res["config"]
+    from bench.report import fmt as f
 
-    def f(v: Any, spec: str = ".2f") -> str:
-        return "–" if v is None else format(v, spec)
+    m, c = res["machine"], res["config"]
 
     lines = [f"### A Qwen2-0.5B-shaped model (24 layers, 494 M parameters, float32) — {m['date']}", "",
              f"{m['cores']} cores, {c['threads']} threads · torch {m['torch']} · transformers "

@@ -85,7 +85,8 @@ def ratios_and_targets(results: dict[str, Any]) -> dict[str, Any]:
     return {"ratios": ratios, "targets": {k: {"value": v, "met": m} for k, (v, m) in targets.items()}}
 
 
-def _f(v: Any, spec: str = ".2f") -> str:
+def fmt(v: Any, spec: str = ".2f") -> str:
+    """``v`` formatted by ``spec``; "–" for a figure not measured (None)."""
     return "–" if v is None else format(v, spec)
 
 
@@ -107,10 +108,10 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     over = results["ratios"]["overhead_s"]
     for key, s in c.items():
-        steady = " | ".join(_f(s["steady_ms"].get(str(n)), ".3f") for n in cfg["steady_sizes"])
+        steady = " | ".join(fmt(s["steady_ms"].get(str(n)), ".3f") for n in cfg["steady_sizes"])
         lines.append(
             f"| {NAMES.get(key, key)} | {s['ttfo_median']:.2f} ({s['ttfo_min']:.2f}–{s['ttfo_max']:.2f}) "
-            f"| {_f(over.get(key))} | {s['phases'].get('prepare', 0):.2f} | "
+            f"| {fmt(over.get(key))} | {s['phases'].get('prepare', 0):.2f} | "
             f"{s['phases'].get('first_call', 0):.3f} | {s['peak_rss_mb']:.0f} | {steady} | "
             f"{s['counters']['inductor_compiles']} | {s['counters']['dynamo_frames']} |")
     r = results["ratios"]
@@ -123,10 +124,10 @@ def markdown(results: dict[str, Any]) -> str:
                   + ", ".join(f"{k} {v:.1f}" for k, v in b["steps"].items()), ""]
     lines += [
         "| ratio | value |", "|---|---|",
-        f"| aotc loader s (import aotc → runnable, excl. import torch and model build) | {_f(r['aotc_loader_s'], '.3f')} |",
-        f"| aotc loader / aotc cold compile | {_f(r['aotc_loader_over_cold_compile'], '.4f')} |",
-        f"| aotc warm overhead / torch.compile warm overhead | {_f(r['aotc_warm_over_tc_warm_overhead'], '.3f')} |",
-        f"| aotc warm overhead / Mega-Cache warm overhead | {_f(r['aotc_warm_over_mega_overhead'], '.3f')} |",
+        f"| aotc loader s (import aotc → runnable, excl. import torch and model build) | {fmt(r['aotc_loader_s'], '.3f')} |",
+        f"| aotc loader / aotc cold compile | {fmt(r['aotc_loader_over_cold_compile'], '.4f')} |",
+        f"| aotc warm overhead / torch.compile warm overhead | {fmt(r['aotc_warm_over_tc_warm_overhead'], '.3f')} |",
+        f"| aotc warm overhead / Mega-Cache warm overhead | {fmt(r['aotc_warm_over_mega_overhead'], '.3f')} |",
     ]
     pair = results.get("steady_pair") or {}
     for n, v in r["aotc_steady_over_tc_steady"].items():
@@ -134,18 +135,18 @@ def markdown(results: dict[str, Any]) -> str:
         like = f"{p['like']} vs {p['like']}, " if p and p.get("like") else ""
         how = (f" ({like}one process, {p['rounds']} alternating rounds: {p['aotc_ms']:.3f} vs "
                f"{p['tc_ms']:.3f} ms, round ratios {p['ratio_min']:.2f}–{p['ratio_max']:.2f})") if p else ""
-        lines.append(f"| aotc steady / torch.compile warm steady, {n} tokens{how} | {_f(v, '.3f')} |")
+        lines.append(f"| aotc steady / torch.compile warm steady, {n} tokens{how} | {fmt(v, '.3f')} |")
     rem = r.get("remote")
     if rem:
         lines += [
-            f"| aotc warm from the remote / from the local store, time to first output | {_f(rem['ttfo_over_local_warm'], '.3f')} |",
-            f"| aotc loader s: pulling through the remote (of which pull; lookup incl. this machine's first toolchain facts) vs local (lookup) | {_f(rem['load_s'], '.3f')} ({_f(rem['pull_s'], '.3f')}; {_f(rem['resolve_s'], '.3f')}) vs {_f(rem['local_load_s'], '.3f')} ({_f(rem['local_resolve_s'], '.3f')}) |",
-            f"| bytes moved: pulled by a replica / pushed by the build machine (blobs, push s) | {rem['pulled_bytes']:.0f} / {rem['pushed_bytes']} ({rem['pushed_blobs']}, {_f(rem['push_s'])}) |"]
-    lines += [f"| cold compile 32 layers / 2 layers | {_f(r['cold_compile_32L_over_2L'], '.3f')} |",
+            f"| aotc warm from the remote / from the local store, time to first output | {fmt(rem['ttfo_over_local_warm'], '.3f')} |",
+            f"| aotc loader s: pulling through the remote (of which pull; lookup incl. this machine's first toolchain facts) vs local (lookup) | {fmt(rem['load_s'], '.3f')} ({fmt(rem['pull_s'], '.3f')}; {fmt(rem['resolve_s'], '.3f')}) vs {fmt(rem['local_load_s'], '.3f')} ({fmt(rem['local_resolve_s'], '.3f')}) |",
+            f"| bytes moved: pulled by a replica / pushed by the build machine (blobs, push s) | {rem['pulled_bytes']:.0f} / {rem['pushed_bytes']} ({rem['pushed_blobs']}, {fmt(rem['push_s'])}) |"]
+    lines += [f"| cold compile 32 layers / 2 layers | {fmt(r['cold_compile_32L_over_2L'], '.3f')} |",
               "", "| target | value | met |", "|---|---|---|"]
     for name, t in results["targets"].items():
         met = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
-        lines.append(f"| {name} | {_f(t['value'], '.3f')} | {met} |")
+        lines.append(f"| {name} | {fmt(t['value'], '.3f')} | {met} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -161,3 +162,14 @@ def byte_compile_aotc() -> None:
     root = Path(__file__).resolve().parent.parent
     for package in ("aotc", "cache", "cli"):
         compileall.compile_dir(str(root / package), quiet=1)
+
+
+def write_results(out: str | Path, stem: str, res: dict[str, Any], table: str) -> None:
+    """``<out>/<stem>.json`` (``res``) and ``<stem>.md`` (``table``), printed too."""
+    import json
+
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    (path / f"{stem}.md").write_text(table)
+    print(table)
