@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 NAMES = {"eager": "eager", "tc-cold": "torch.compile cold", "tc-warm": "torch.compile warm",
