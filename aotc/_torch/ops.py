@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 __all__ = ["graph_returns_tuple", "mutated_args", "op_name", "op_schema", "stable_name", "undefined_outputs",
-           "written_inputs"]
+           "written_inputs", "written_values"]
 
 
 def op_name(target: Any) -> str | None:
@@ -51,29 +51,29 @@ def stable_name(target: Any) -> str | None:
     return f"{mod}.{qual}"
 
 
-def _written_values(n: torch.fx.Node) -> list[Any]:
+def written_values(n: torch.fx.Node) -> list[Any]:
     """What ``n`` writes in place: its op's ``Tensor(a!)`` arguments, the object of an item
-    assignment, the tensor of an in-place method or function (``x.mul_(2)``, ``torch.relu_(x)``)."""
+    assignment, the tensor of an in-place function or method (``torch.relu_(x)``, ``x.mul_(2)``;
+    a function by its name's trailing ``_``, a method's not a private one): its first argument,
+    else (passed by keyword) every node it reads, else the node itself — never nothing."""
     import operator
 
-    if n.op == "call_function":
-        name = str(getattr(n.target, "__name__", ""))
-        if n.target is operator.setitem or (name.endswith("_") and not name.startswith("_")):
-            return list(n.args[:1])
-        return mutated_args(n)
-    if n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("_"):
-        return list(n.args[:1])
-    return []
+    in_place = (n.op == "call_function" and (n.target is operator.setitem
+                                             or str(getattr(n.target, "__name__", "")).endswith("_"))
+                or n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("_"))
+    if in_place:
+        return list(n.args[:1]) or list(n.all_input_nodes) or [n]
+    return mutated_args(n) if n.op == "call_function" else []
 
 
 def written_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
     """The positions of ``gm``'s placeholders that it may write in place: every placeholder
-    among the ancestors of a value written in place (:func:`_written_values`; an ancestor, not
+    among the ancestors of a value written in place (:func:`written_values`; an ancestor, not
     only the value itself, because the value may be a view of it). Conservative: a placeholder
     outside the set is only read."""
     nodes = list(gm.graph.nodes)
     seen: set[torch.fx.Node] = set()
-    todo = [a for n in nodes for a in _written_values(n) if isinstance(a, torch.fx.Node)]
+    todo = [a for n in nodes for a in written_values(n) if isinstance(a, torch.fx.Node)]
     while todo:
         n = todo.pop()
         if n not in seen:

@@ -109,19 +109,11 @@ def _dense_order(shape: list[int], strides: list[int]) -> list[int] | None:
 
 
 def _writes_in_place(gm: Any) -> bool:
-    """Whether a piece writes anything in place: an op whose schema says so, an in-place method
-    or function (``mul_``), an item assignment."""
-    import operator
+    """Whether a piece writes anything in place (:func:`aotc._torch.ops.written_values`: an op
+    whose schema says so, an in-place method or function (``mul_``), an item assignment)."""
+    from aotc._torch.ops import written_values
 
-    from aotc._torch.ops import mutated_args
-
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and (mutated_args(n) or n.target is operator.setitem
-                                        or str(getattr(n.target, "__name__", "")).endswith("_")):
-            return True
-        if n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("_"):
-            return True
-    return False
+    return any(written_values(n) for n in gm.graph.nodes)
 
 
 def _symbolic(val: Any) -> bool:
