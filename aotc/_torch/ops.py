@@ -55,15 +55,25 @@ def written_values(n: torch.fx.Node) -> list[Any]:
     """What ``n`` writes in place: its op's ``Tensor(a!)`` arguments, the object of an item
     assignment, the tensor of an in-place function or method (``torch.relu_(x)``, ``x.mul_(2)``;
     a function by its name's trailing ``_``, a method's not a private one): its first argument,
-    else (passed by keyword) every node it reads, else the node itself — never nothing."""
+    else (passed by keyword) every node it reads, else the node itself — never nothing. Lists
+    are opened: a ``_foreach_*_`` op writes every tensor of its first list."""
     import operator
 
     in_place = (n.op == "call_function" and (n.target is operator.setitem
                                              or str(getattr(n.target, "__name__", "")).endswith("_"))
                 or n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("_"))
     if in_place:
-        return list(n.args[:1]) or list(n.all_input_nodes) or [n]
-    return mutated_args(n) if n.op == "call_function" else []
+        return _flat(n.args[:1]) or list(n.all_input_nodes) or [n]
+    return _flat(mutated_args(n)) if n.op == "call_function" else []
+
+
+def _flat(values: Any) -> list[Any]:
+    """``values`` with every list or tuple in it opened (``_foreach_add_``'s first argument is
+    a list of the tensors it writes)."""
+    out: list[Any] = []
+    for v in values:
+        out.extend(_flat(v) if isinstance(v, (list, tuple)) else [v])
+    return out
 
 
 def written_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:

@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from aotc._torch import dynamo, header_build, inductor_compile, isa_probes
-from aotc._torch.ops import mutated_args
+from aotc._torch.ops import mutated_args, written_inputs
 from aotc.backend.graphkey import graph_device
 from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, unique_pieces
@@ -269,9 +269,13 @@ def _zeroing(zero: dict[str, list[int]]) -> PieceWrap:
     return wrap
 
 
-def _run(runner: GraphRunner, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
-    mine = [_copy(x) if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
-            else x for x in inputs]
+def _run(runner: GraphRunner, inputs: Sequence[Any],
+         written: frozenset[int] = frozenset()) -> tuple[Any, list[Any]]:
+    """One run of the check on its own copy of every input but the weights it only reads (a
+    weight the graph writes, as an optimizer step does, is copied too: the check never changes
+    the caller's tensors)."""
+    mine = [_copy(x) if isinstance(x, torch.Tensor) and (i in written or not isinstance(x, torch.nn.Parameter))
+            else x for i, x in enumerate(inputs)]
     return flat_tensors(runner(*mine)), mine
 
 
@@ -323,6 +327,7 @@ def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
         wanted += [n for n in sorted({*sizes, min(3, traced)}) if n != traced]
     report = NumericReport(atol, rtol)
     skipped: list[int] = []
+    written = written_inputs(gm)
     for n in wanted:
         inputs = _at_size(gm, base, n)
         if inputs is None:
@@ -332,8 +337,8 @@ def check(runner: GraphRunner, reference: GraphRunner, gm: torch.fx.GraphModule,
             skipped.append(int(n or 0))
             continue
         with torch.no_grad():
-            want, theirs = _run(reference, inputs)
-            got, mine = _run(runner, inputs)
+            want, theirs = _run(reference, inputs, written)
+            got, mine = _run(runner, inputs, written)
         label = str(traced if n is None else n) if traced is not None else "static"
         report.add(label, compare_outputs(got, want, inputs, mine, theirs, atol, rtol))
         if runner.program.training:

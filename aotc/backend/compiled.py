@@ -19,7 +19,7 @@ from typing import Any
 
 from aotc._torch import dynamo
 from aotc.counters import COUNTERS
-from aotc.errors import LoadError
+from aotc.errors import BackendError, LoadError
 from aotc.runtime.graphcall import GraphRunner
 from aotc.runtime.stitched import Timings
 
@@ -80,14 +80,21 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  
     the trust policy of a load are the loading process's operator's (``AOTC_REMOTE``,
     ``AOTC_TRUST_KEYS``), never the saved data's."""
 
-    def __init__(self, key: str, runner: GraphRunner | None = None, store: Any = None) -> None:
+    def __init__(self, key: str, runner: GraphRunner | None = None, store: Any = None,
+                 extra_inputs: tuple[Any, ...] = ()) -> None:
         self.key, self.runner = key, runner
         self.store = _location(store)
+        self.extra_inputs = extra_inputs  # the traced module's tensors the graph reads (graph_inputs)
         self._lock = threading.Lock()
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: AotcCompiled) -> bytes:
-        """The key and the explicit store, as JSON (the artifacts stay in the store)."""
+        """The key and the explicit store, as JSON (the artifacts stay in the store). A graph
+        that reads tensors of the traced module (``extra_inputs``) cannot be saved so."""
+        if fn.extra_inputs:
+            raise BackendError(f"graph {fn.key[:16]}… reads {len(fn.extra_inputs)} tensors of the "
+                               "traced module (an optimizer's state); a saved function cannot "
+                               "carry them: compile it in the serving process instead")
         return json.dumps({"aotc": _FORMAT, "key": fn.key, "store": fn.store},
                           sort_keys=True).encode()
 
@@ -131,6 +138,8 @@ class AotcCompiled(dynamo.serializable_callable_base()):  # type: ignore[misc]  
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         runner = self.runner or self._ensure()
+        if self.extra_inputs:
+            return runner(*args, *self.extra_inputs, **kwargs)
         return runner(*args, **kwargs)
 
     def __getstate__(self) -> dict[str, Any]:  # pickled by reference: the key, never the kernels

@@ -133,10 +133,13 @@ class AotcBackend:
         """The stored program of this graph: local, pulled, or built here (the tiered store's
         one fleet journey, :meth:`aotc.fleet.tiered.TieredStore.get_or_build`)."""
         from aotc.backend.graphkey import graph_device, static_graph
+        from aotc.compile.graph_inputs import flat_graph
         from aotc.fleet.tiered import Wanted
 
         t0 = time.perf_counter()
         settings = context.settings
+        # regions inlined, tensors read by attribute made inputs (fed live by the callable)
+        gm, example_inputs, extra = flat_graph(gm, example_inputs)
         if cfg.graphs and _on_cuda(example_inputs):
             _log.info("aotc: note: CUDA graphs (mode='reduce-overhead'/'max-autotune') are not "
                       "captured for torch.compile graphs yet; this graph runs without them")
@@ -164,9 +167,12 @@ class AotcBackend:
                                   "store": str(tiered.local.root), "pieces": meta["pieces"],
                                   "unique_pieces": meta["unique_pieces"], "compiles": meta["compiles"],
                                   "shared": meta.get("shared", 0), "numerics": meta["numerics"]})
-            return served.built.compiled
-        return self._load(served.entry, tiered, cfg, settings, t0, pulled=served.pulled,
-                          pulled_bytes=tiered.pulled_bytes - pulled_before)
+            compiled = served.built.compiled
+        else:
+            compiled = self._load(served.entry, tiered, cfg, settings, t0, pulled=served.pulled,
+                                  pulled_bytes=tiered.pulled_bytes - pulled_before)
+        compiled.extra_inputs = extra
+        return compiled
 
     def _load(self, entry: Any, tiered: Any, cfg: BackendConfig, settings: Any, t0: float,
               pulled: bool, pulled_bytes: int) -> Any:

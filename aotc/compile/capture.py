@@ -27,11 +27,13 @@ inputs, so each placeholder is mapped back to its FQN by object identity.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -43,7 +45,7 @@ from aotc.errors import CaptureError
 from aotc.lookup.filehash import is_toolchain_file
 from aotc.model.state import named_tensors
 
-__all__ = ["ArgSlot", "Captured", "capture", "graph_args"]
+__all__ = ["ArgSlot", "Captured", "capture", "gc_paused", "graph_args"]
 
 _SHAPE_ID = "aotc_tokens"
 ArgKind = Literal["param", "buffer", "input", "symbol"]
@@ -201,6 +203,20 @@ def _arg_spec(
 DynamicMode = Literal["auto", "unbacked", "backed"]
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (on again after, if it was on): a
+    trace makes hundreds of thousands of objects, and the collections they set off cost 0.4 to
+    0.7 s of a cold capture here; what the block leaves cyclic is collected afterwards."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _trace(
     model: torch.nn.Module,
     example_inputs: Sequence[torch.Tensor],
@@ -224,7 +240,8 @@ def _trace(
         got.update(gm=gm, ex=list(ex), codes=dynamo.traced_code())
         return gm.forward
 
-    dynamo.trace_fullgraph(model, inputs, backend)
+    with gc_paused():
+        dynamo.trace_fullgraph(model, inputs, backend)
     if "gm" not in got:
         raise CaptureError("Dynamo captured no graph (was the model call skipped?)")
     return got, inputs

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aotc._torch import inductor_compile
-from aotc.compile.capture import Captured, capture
+from aotc.compile.capture import Captured
+from aotc.compile.repeated import capture_repeated
 from aotc.compile.split import Piece, SplitResult, node_op_names, split
 from aotc.errors import SplitError
 from aotc.manifest import Manifest
@@ -82,9 +83,10 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     progress.phase("capture", "Dynamo, token dim dynamic")
     t = time.perf_counter()
     trace_n = min(manifest.max_tokens, 7)
-    captured = capture(model, make_inputs(manifest, trace_n), dynamic_dims(manifest),
-                       params_of=model.model)
+    captured, report = capture_repeated(model, make_inputs(manifest, trace_n), dynamic_dims(manifest),
+                                        params_of=model.model, wanted=manifest.regions)
     seconds["capture"] = time.perf_counter() - t
+    progress.note(f"regions: {report.line()}")
 
     t = time.perf_counter()
     parts = split(captured.gm, list(manifest.splitting_ops))

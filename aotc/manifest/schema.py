@@ -14,7 +14,7 @@ from typing import Any
 __all__ = [
     "Manifest", "ModelSpec", "HFSpec", "InputSpec", "Tolerance", "FrozenMap", "thaw",
     "DTYPES", "INPUT_DTYPES", "DEVICES", "FILLS", "CUDAGRAPH_MODES", "TOKENS", "DEFAULT_TOLERANCE",
-    "NAME_RE", "IDENT_RE", "DOTTED_RE", "OP_RE", "PICKLE_SUFFIXES",
+    "NAME_RE", "CLASS_RE", "IDENT_RE", "DOTTED_RE", "OP_RE", "PICKLE_SUFFIXES",
 ]
 
 # How Manifest.replace re-validates: set by aotc.manifest to its parse_manifest (the schema
@@ -32,6 +32,7 @@ TOKENS = "tokens"  # the shape entry that marks an input's token (dynamic) dim
 DEFAULT_TOLERANCE = {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (3e-2, 3e-2)}
 
 NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+CLASS_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DOTTED_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 OP_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?")
@@ -138,6 +139,7 @@ class Manifest:
     splitting_ops: tuple[str, ...] = ()  # sorted
     inductor: FrozenMap = field(default_factory=FrozenMap)
     cudagraph: str = "piecewise"
+    regions: str | tuple[str, ...] = "auto"  # "auto", "off" or class names (sorted)
     tolerance: Tolerance = field(default_factory=Tolerance)
     store: Path | None = None  # absolute; not part of the key
     path: Path | None = None  # the manifest file (absolute), None when parsed from a dict
@@ -152,6 +154,7 @@ class Manifest:
             "compile_sizes": list(self.compile_sizes), "capture_sizes": list(self.capture_sizes),
             "max_tokens": self.max_tokens, "splitting_ops": list(self.splitting_ops),
             "inductor": thaw(self.inductor), "cudagraph": self.cudagraph,
+            "regions": self.regions if isinstance(self.regions, str) else list(self.regions),
             "tolerance": {"atol": self.tolerance.atol, "rtol": self.tolerance.rtol},
             "store": None if self.store is None else str(self.store),
         }

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc.manifest.schema import (
+    CLASS_RE,
     CUDAGRAPH_MODES,
     DEFAULT_TOLERANCE,
     DEVICES,
@@ -158,7 +159,7 @@ def validate(data: Any, base: Path) -> Manifest:
         raise Invalid("", f"expected a mapping at the top level, got {_show(data)}")
     _keys(data, "", ("name", "model", "inputs"), (
         "dtype", "device", "compile_sizes", "capture_sizes", "max_tokens", "splitting_ops",
-        "inductor", "cudagraph", "tolerance", "store"))
+        "inductor", "cudagraph", "regions", "tolerance", "store"))
     name = _str(data["name"], "name", NAME_RE, "a name of letters, digits, '.', '_' or '-'")
     max_tokens = _int(data.get("max_tokens", 4096), "max_tokens", 1)
     if max_tokens > _MAX_TOKENS:
@@ -178,10 +179,25 @@ def validate(data: Any, base: Path) -> Manifest:
         splitting_ops=_ops(data.get("splitting_ops", ())),
         inductor=_inductor(data.get("inductor", {})),
         cudagraph=_choice(data.get("cudagraph", "piecewise"), "cudagraph", CUDAGRAPH_MODES),
+        regions=_regions(data.get("regions", "auto")),
         tolerance=_tolerance(tol, data.get("dtype", "float32")),
         store=None if store is None else _resolve(base, _str(store, "store", what="a store directory")),
         base_dir=base,
     )
+
+
+def _regions(v: Any) -> str | tuple[str, ...]:
+    """``auto``, ``off`` or a list of module class names (bare or dotted) traced once each."""
+    if isinstance(v, str):
+        return _choice(v, "regions", ("auto", "off"))
+    names = _seq(v, "regions")
+    for i, name in enumerate(names):
+        _str(name, f"regions[{i}]", CLASS_RE, "a module class name like 'LlamaDecoderLayer'")
+        if name in names[:i]:
+            raise Invalid(f"regions[{i}]", f"duplicate class {name!r}")
+    if not names:
+        raise Invalid("regions", 'expected "auto", "off" or a non-empty list of class names')
+    return tuple(sorted(names))
 
 
 def _ops(v: Any) -> tuple[str, ...]:

@@ -1,0 +1,178 @@
+"""Dynamo's nested compile regions (``torch.compiler.nested_compile_region`` and the
+``invoke_subgraph`` higher-order op it traces to): marking a module instance's ``forward`` as a
+region for one trace, the region calls a graph holds, and inlining them back into a flat graph.
+
+Dynamo traces a marked region once and, where its guards hold for a later call (another layer:
+other weights, same code and attributes), stamps out the same subgraph without tracing it again;
+the graph it hands the backend then calls ``invoke_subgraph(body, identifier, *operands)`` per
+instance (a region called once is inlined by Dynamo itself). aotc inlines every call before its
+split (attention sits inside the body), so what follows the trace sees a flat graph.
+
+Marking is per class and undone after the trace (the class's ``forward`` is wrapped, then put
+back). Not per instance: a region bound to one instance (``layer.forward = region(...)``) is
+stamped out by torch 2.13 with the FIRST instance's weights at every later call — Dynamo does not
+rewrite a bound ``self`` it captured (aotc's own check of each call's weights,
+:mod:`aotc.compile.repeated`, refuses such a graph; a test keeps the hazard in view). Tested on torch 2.11–2.13 (``reuse`` of a traced body
+needs torch >= 2.12's subgraph reuse; on older torch a marked region is traced at every call and
+the graph is the same).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = ["RegionCall", "inline_regions", "marked", "region_calls", "supported"]
+
+
+def supported() -> bool:
+    """Whether this torch has ``torch.compiler.nested_compile_region``."""
+    return hasattr(torch.compiler, "nested_compile_region") and _hop() is not None
+
+
+def _hop() -> Any:
+    return getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+@contextlib.contextmanager
+def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> Iterator[None]:
+    """Each group of ``kinds`` (instances of one class that aotc holds to be alike) has its
+    ``forward`` traced as a nested compile region of its own for the block, then everything is
+    restored (module doc). The first group of a class marks the class itself; a later group of
+    the same class gets a subclass of its own for the block (``instance.__class__``), so Dynamo
+    keeps one body per group and never stamps one group's body out for another. ``max_reuse``:
+    the distinct bodies Dynamo may keep per region before it refuses."""
+    patched: list[tuple[type, Any]] = []
+    moved: list[tuple[torch.nn.Module, type]] = []
+    original: dict[type, Any] = {}  # each class's forward before any region was put on it
+    try:
+        for group in kinds:
+            if not group:
+                continue
+            cls = type(group[0])
+            if cls in original:  # another kind of the same class: a subclass of its own
+                fn = _renamed(original[cls], len(patched))
+                cls = type(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                                  "__qualname__": cls.__qualname__})
+                for m in group:
+                    moved.append((m, type(m)))
+                    m.__class__ = cls
+            else:
+                fn = original[cls] = cls.forward
+            patched.append((cls, cls.__dict__.get("forward")))
+            cls.forward = torch.compiler.nested_compile_region(fn, max_reuse_entries=max(8, max_reuse))
+        yield
+    finally:
+        for cls, own in reversed(patched):
+            if own is None:
+                delattr(cls, "forward")  # it was inherited
+            else:
+                cls.forward = own
+        for m, cls in moved:
+            m.__class__ = cls
+
+
+def _renamed(fn: Any, n: int) -> Any:
+    """``fn`` with a code object of its own (Dynamo keeps the bodies it may reuse per code
+    object): another kind of layer of the same class never meets the first kind's bodies."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_aotc_kind{n}")
+    out = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__, out.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
+    out.__qualname__, out.__module__ = fn.__qualname__, fn.__module__
+    return out
+
+
+@dataclass(frozen=True)
+class RegionCall:
+    """One ``invoke_subgraph`` call: ``body`` (the attribute holding the traced subgraph),
+    ``identifier`` (Dynamo's name of the body) and the graph nodes passed to it."""
+
+    node: torch.fx.Node
+    body: str
+    identifier: str
+    operands: tuple[Any, ...]
+
+
+def region_calls(gm: torch.fx.GraphModule) -> list[RegionCall]:
+    """The region calls of ``gm``'s own graph, in order."""
+    hop = _hop()
+    if hop is None:
+        return []
+    return [RegionCall(n, str(n.args[0].target), str(n.args[1]), tuple(n.args[2:]))
+            for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+
+
+def _attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def inline_regions(gm: torch.fx.GraphModule) -> int:
+    """Replace every region call of ``gm`` (bodies first, recursively) by a copy of its body's
+    nodes; returns how many calls were inlined. The graph is changed in place and recompiled."""
+    count = 0
+    for name, sub in list(gm.named_children()):
+        if isinstance(sub, torch.fx.GraphModule):
+            count += inline_regions(sub)
+    calls = region_calls(gm)
+    for call in calls:
+        body = _attr(gm, call.body)
+        operands = call.node.args[2:]  # read now: an earlier call's outputs were just replaced
+        env: dict[torch.fx.Node, Any] = dict(zip(
+            [n for n in body.graph.nodes if n.op == "placeholder"], operands))
+        with gm.graph.inserting_before(call.node):
+            for sub_node in body.graph.nodes:
+                if sub_node.op in ("placeholder", "output"):
+                    continue
+                if sub_node.op == "get_attr":  # a nested body's own attribute: hoisted here
+                    target = _hoist(gm, body, str(sub_node.target))
+                    env[sub_node] = gm.graph.get_attr(target)
+                    env[sub_node].meta = dict(sub_node.meta)
+                    continue
+                env[sub_node] = gm.graph.node_copy(sub_node, lambda n: env[n])
+        out = next(n for n in body.graph.nodes if n.op == "output").args[0]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for user in list(call.node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                got = outs[user.args[1]]
+                user.replace_all_uses_with(env[got] if isinstance(got, torch.fx.Node) else got)
+                gm.graph.erase_node(user)
+        if call.node.users:
+            raise RuntimeError(f"region call {call.node.name} is used other than by indexing")
+        get_body = call.node.args[0]
+        gm.graph.erase_node(call.node)
+        if isinstance(get_body, torch.fx.Node) and not get_body.users:
+            gm.graph.erase_node(get_body)
+        count += 1
+    if calls:
+        for name in {c.body for c in calls}:
+            if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
+                with contextlib.suppress(AttributeError):
+                    delattr(gm, name)
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def _hoist(gm: torch.fx.GraphModule, body: torch.fx.GraphModule, target: str) -> str:
+    """``body``'s attribute ``target`` registered on ``gm`` (under a free name); its name there."""
+    value = _attr(body, target)
+    name, i = target.replace(".", "_"), 0
+    while hasattr(gm, name) and _attr(gm, name) is not value:
+        i += 1
+        name = f"{target.replace('.', '_')}_{i}"
+    if not hasattr(gm, name):
+        if isinstance(value, torch.nn.Module):
+            gm.add_module(name, value)
+        else:
+            setattr(gm, name, value)
+    return name

@@ -1,0 +1,258 @@
+"""A model's repeated layer traced once: which classes to trace as nested compile regions, the
+capture with them, and the proof that every reuse Dynamo made was right.
+
+Which classes: ``regions: auto`` (the manifest's default) takes every class of which one module
+container (``nn.ModuleList`` / ``nn.Sequential``) holds two or more instances — a transformer's
+decoder layers — except torch's own modules and classes whose instances all sit inside another
+such class's (the outermost repeated block is the one worth reusing); a list of class names
+picks them; ``off`` traces everything inline.
+
+The proof, per region call in the traced graph (``aotc._torch.regions``): the weights it is
+given are all of ONE instance of a marked class, no two calls get the same instance, each weight
+sits where the body's first call has the same weight of its own instance (same relative name
+at the same operand), and every instance sharing a body has the same structure key
+(:func:`structure_key`: class, code, parameter and buffer layouts, attributes, hooks inside the
+body — different weights, same code). A graph that fails any of it, or a trace that fails with
+regions, is traced again without them (one line says why): a wrong reuse is never served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from aotc._torch import regions
+from aotc.compile.capture import Captured, capture, gc_paused
+from aotc.errors import CaptureError
+
+__all__ = ["RegionReport", "capture_repeated", "repeated_classes", "structure_key"]
+
+_PRIMITIVE = (bool, int, float, str, bytes, type(None))
+# a module's bookkeeping in its __dict__: described on their own (tensors, children, hooks)
+_MODULE_STATE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set",
+                 "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                 "_load_state_dict_post_hooks", "_is_full_backward_hook"}
+_CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionReport:
+    """What the capture did with regions: the classes marked, the region calls Dynamo made, the
+    distinct bodies (one per kind of layer), and why regions were not used (``""``: used)."""
+
+    classes: tuple[str, ...] = ()
+    calls: int = 0
+    bodies: int = 0
+    fallback: str = ""
+
+    def line(self) -> str:
+        """One line for the progress stream."""
+        if self.fallback:
+            return f"traced every layer ({self.fallback})"
+        if not self.classes:
+            return "no repeated layer"
+        return (f"{'/'.join(self.classes)}: {self.calls} layers traced as {self.bodies} "
+                f"bod{'y' if self.bodies == 1 else 'ies'}")
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def repeated_classes(model: torch.nn.Module, wanted: Sequence[str] | str = "auto") -> list[type]:
+    """The classes to trace as regions (module doc): ``"auto"``, ``"off"`` or class names (bare
+    or qualified). A named class the model does not hold raises :class:`CaptureError`."""
+    if wanted == "off":
+        return []
+    classes = {type(m) for m in model.modules()}
+    if wanted != "auto":
+        picked = []
+        for name in wanted:
+            found = [c for c in classes if name in (c.__name__, _qualname(c))]
+            if not found:
+                raise CaptureError(f"regions: the model has no module of class {name!r} "
+                                   f"(its classes: {', '.join(sorted(c.__name__ for c in classes))[:300]})")
+            picked += found
+        return sorted(set(picked), key=_qualname)
+    counted: dict[type, int] = {}
+    for m in model.modules():
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            per: dict[type, int] = {}
+            for child in m.children():
+                per[type(child)] = per.get(type(child), 0) + 1
+            for cls, n in per.items():
+                if n >= 2 and not cls.__module__.startswith("torch.") and "forward" in dir(cls):
+                    counted[cls] = counted.get(cls, 0) + n
+    inner = {cls for cls in counted for outer in counted if outer is not cls
+             and all(_inside(model, m, outer) for m in model.modules() if type(m) is cls)}
+    return sorted((c for c in counted if c not in inner), key=_qualname)
+
+
+def _inside(model: torch.nn.Module, module: torch.nn.Module, outer: type) -> bool:
+    return any(type(o) is outer and any(s is module for s in o.modules()) and o is not module
+               for o in model.modules())
+
+
+def _value(v: Any, depth: int = 0) -> Any:
+    """An attribute's value as the key holds it: primitives, dtypes, enums, functions (by code
+    and closure) and ``functools.partial`` by value; anything else by identity (the same
+    object, not an equal one)."""
+    if isinstance(v, _PRIMITIVE):
+        return v
+    if isinstance(v, enum.Enum):
+        return (type(v).__qualname__, v.name)
+    if isinstance(v, (torch.dtype, torch.device)):
+        return str(v)
+    if depth < 4:
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, tuple(_value(x, depth + 1) for x in v))
+        if isinstance(v, functools.partial):
+            return ("partial", _value(v.func, depth + 1), _value(v.args, depth + 1),
+                    tuple(sorted((k, _value(x, depth + 1)) for k, x in v.keywords.items())))
+        if isinstance(v, types.FunctionType):
+            cells = tuple(_value(c.cell_contents, depth + 1) for c in v.__closure__ or ())
+            return ("function", id(v.__code__), cells, _value(v.__defaults__, depth + 1))
+    return ("object", id(v))
+
+
+def _tensor(t: torch.Tensor) -> Any:
+    return (type(t).__name__, str(t.dtype), tuple(t.shape), tuple(t.stride()), str(t.device),
+            t.requires_grad)
+
+
+def structure_key(module: torch.nn.Module, skip: frozenset[str] = frozenset()) -> tuple[Any, ...]:
+    """``module``'s structure (module doc), the weights' values left out: every submodule's class
+    and ``forward``, its parameters' and buffers' layouts, its attributes (``skip``: dotted
+    attribute paths left out), and the hooks of its submodules (the module's own call hooks run
+    outside its body)."""
+    out: list[Any] = []
+    for path, m in module.named_modules(remove_duplicate=False):
+        out.append((path, _qualname(type(m)), _value(m.__dict__.get("forward", type(m).forward))))
+        for name, t in (*m._parameters.items(), *m._buffers.items()):
+            out.append((path, name, None if t is None else _tensor(t)))
+        for name, v in sorted(m.__dict__.items()):
+            where = f"{path}.{name}" if path else name
+            if name in _MODULE_STATE or where in skip:
+                continue
+            if name in _CALL_HOOKS:
+                if path:  # a submodule's hooks run inside the body
+                    out.append((where, tuple(id(h) for h in v.values()) if hasattr(v, "values") else _value(v)))
+                continue
+            out.append((where, _value(v)))
+    return tuple(out)
+
+
+def _index_attributes(instances: Sequence[torch.nn.Module]) -> frozenset[str]:
+    """Attribute paths whose value is the instance's position plus a constant (``layer_idx``):
+    a layer's index, which a body that reads it has guarded on (Dynamo then traces that layer
+    on its own); left out of the structure key."""
+    if len(instances) < 2:
+        return frozenset()
+    values = [dict(_attributes(m)) for m in instances]
+    common = set(values[0]).intersection(*values[1:])
+    return frozenset(p for p in common if all(type(v[p]) is int for v in values)
+                     and len({v[p] - i for i, v in enumerate(values)}) == 1
+                     and values[0][p] != values[1][p])
+
+
+def _attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    out = []
+    for path, m in module.named_modules(remove_duplicate=False):
+        for name, v in m.__dict__.items():
+            if name not in _MODULE_STATE and name not in _CALL_HOOKS:
+                out.append((f"{path}.{name}" if path else name, v))
+    return out
+
+
+def _prove(captured: Captured, model: torch.nn.Module, classes: Sequence[type]) -> tuple[int, int]:
+    """``(calls, bodies)`` of the captured graph's region calls, each reuse checked (module
+    doc); raises :class:`CaptureError` naming the first that is not right."""
+    calls = regions.region_calls(captured.gm)
+    if not calls:
+        return 0, 0
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    fqn_of = {n: s.fqn for n, s in zip(placeholders, captured.arg_spec) if s.kind in ("param", "buffer")}
+    instances = {path: m for path, m in model.named_modules() if type(m) in set(classes)}
+    by_class: dict[type, list[torch.nn.Module]] = {}
+    for m in instances.values():
+        by_class.setdefault(type(m), []).append(m)
+    skip = {cls: _index_attributes(ms) for cls, ms in by_class.items()}
+    keys: dict[str, tuple[Any, ...]] = {}
+    first: dict[str, list[str | None]] = {}  # body -> relative weight name per operand
+    used: set[str] = set()
+    for call in calls:
+        weights = [fqn_of.get(o) if isinstance(o, torch.fx.Node) else None for o in call.operands]
+        owner = _owner([w for w in weights if w], instances)
+        if owner is None:
+            raise CaptureError(f"region call {call.node.name} is given weights of no single layer "
+                               f"({', '.join(sorted({w for w in weights if w})[:4])})")
+        if owner in used:
+            raise CaptureError(f"region call {call.node.name} is given the weights of {owner!r}, "
+                               "which an earlier call already used")
+        used.add(owner)
+        rel = [w[len(owner) + 1:] if w else None for w in weights]
+        if first.setdefault(call.body, rel) != rel:
+            raise CaptureError(f"region call {call.node.name} ({owner}) passes its weights in "
+                               "another order than the body's first call")
+        m = instances[owner]
+        key = structure_key(m, skip[type(m)])
+        if keys.setdefault(call.body, key) != key:
+            raise CaptureError(f"layer {owner!r} reuses body {call.identifier!r} but differs in "
+                               "structure from the layer it was traced for")
+    return len(calls), len(first)
+
+
+def _kinds(model: torch.nn.Module, classes: Sequence[type]) -> list[list[torch.nn.Module]]:
+    """The instances of each class grouped by structure key (index attributes left out): one
+    group per kind of layer, in order of first appearance."""
+    out: list[list[torch.nn.Module]] = []
+    for cls in classes:
+        ms = [m for m in model.modules() if type(m) is cls]
+        skip = _index_attributes(ms)
+        groups: dict[tuple[Any, ...], list[torch.nn.Module]] = {}
+        for m in ms:
+            groups.setdefault(structure_key(m, skip), []).append(m)
+        out += groups.values()
+    return out
+
+
+def _owner(weights: Sequence[str], instances: dict[str, torch.nn.Module]) -> str | None:
+    """The innermost marked instance holding every one of ``weights``, if any."""
+    if not weights:
+        return None
+    holding = [p for p in instances if all(w.startswith(p + ".") for w in weights)]
+    return max(holding, key=len, default=None)
+
+
+def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
+                     dynamic_dims: list[int | None], *, params_of: torch.nn.Module | None = None,
+                     wanted: Sequence[str] | str = "auto") -> tuple[Captured, RegionReport]:
+    """:func:`aotc.compile.capture.capture` with the model's repeated layers traced once each
+    (module doc), the graph flat (regions inlined) and every reuse proven; else a plain capture
+    and the reason in the report."""
+    owner = model if params_of is None else params_of
+    classes = repeated_classes(owner, wanted) if regions.supported() else []
+    names = tuple(c.__name__ for c in classes)
+    if not classes:
+        return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names)
+    kinds = _kinds(owner, classes)
+    count = sum(len(k) for k in kinds)
+    try:
+        with regions.marked(kinds, max_reuse=count):
+            captured = capture(model, example_inputs, dynamic_dims, params_of=params_of)
+        with gc_paused():
+            calls, bodies = _prove(captured, owner, classes)
+            regions.inline_regions(captured.gm)
+        return captured, RegionReport(names, calls, bodies)
+    except CaptureError as e:
+        reason = " ".join(str(e).split())[:200]
+    return (capture(model, example_inputs, dynamic_dims, params_of=params_of),
+            RegionReport(names, fallback=f"regions of {', '.join(names)} not used: {reason}"))

@@ -1,0 +1,161 @@
+"""A repeated layer traced once (issue 46): which classes become nested compile regions, one body
+per kind of layer, every reuse proven (the weights each call gets, the structure of each layer
+sharing a body), a wrong reuse refused, and the graph flat and equal to eager's afterwards.
+Real Dynamo traces (no compile): quick."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from aotc._torch import regions
+from aotc.compile import repeated
+from aotc.compile.capture import capture, graph_args
+from aotc.errors import CaptureError
+from aotc.models import toy_llama as tl
+
+
+def _toy(layers: int = 4) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    model = tl.build(layers=layers, hidden=64, heads=4, vocab=128)
+    return model, [torch.randint(0, 128, (9,)), torch.arange(9)]
+
+
+def _out(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _same_as_eager(captured, model, inputs, params_of=None) -> float:
+    with torch.no_grad():
+        got = _out(captured.gm(*graph_args(captured.arg_spec, params_of or model, inputs)))
+        want = _out(model(*inputs))
+    return (got - want).abs().max().item()
+
+
+def test_layers_traced_as_one_body_then_flat_and_right():
+    model, inputs = _toy(4)
+    before = tl.Layer.__dict__["forward"]
+    captured, report = repeated.capture_repeated(model, inputs, [0, 0])
+    assert (report.calls, report.bodies, report.fallback) == (4, 1, ""), report
+    assert report.classes == ("Layer",)
+    assert not regions.region_calls(captured.gm)  # inlined: the split sees attention
+    assert sum("attention" in str(n.target) for n in captured.gm.graph.nodes) == 4
+    assert _same_as_eager(captured, model, inputs) == 0.0
+    assert tl.Layer.__dict__["forward"] is before  # the class is as it was
+
+
+def test_regions_off_and_by_name():
+    model, inputs = _toy(3)
+    _, off = repeated.capture_repeated(model, inputs, [0, 0], wanted="off")
+    assert (off.classes, off.calls) == ((), 0)
+    _, named = repeated.capture_repeated(model, inputs, [0, 0], wanted=["Layer"])
+    assert (named.calls, named.bodies) == (3, 1)
+    with pytest.raises(CaptureError, match="no module of class 'DecoderLayer'"):
+        repeated.capture_repeated(model, inputs, [0, 0], wanted=["DecoderLayer"])
+
+
+def test_auto_picks_the_outermost_repeated_user_class():
+    class Expert(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.w(x)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = torch.nn.ModuleList(Expert() for _ in range(2))
+            self.lins = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            return sum(e(x) for e in self.experts)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    assert repeated.repeated_classes(Net()) == [Block]  # not Expert (inside), not torch's Linear
+
+
+def test_a_layer_that_differs_is_a_kind_of_its_own():
+    """A submodule hook, another attribute value, an instance's own forward: traced apart."""
+    model, inputs = _toy(5)
+    model.layers[1].gate_proj.register_forward_hook(lambda m, a, out: out * 2)
+    model.layers[2].input_norm.eps = 1e-3
+    own = tl.Layer.forward  # (as accelerate's hooks keep the forward they wrap)
+    model.layers[3].forward = types.MethodType(lambda self, x, cos, sin: own(self, x, cos, sin) + 1,
+                                               model.layers[3])
+    kinds = repeated._kinds(model, [tl.Layer])
+    assert sorted(len(k) for k in kinds) == [1, 1, 1, 2]
+    captured, report = repeated.capture_repeated(model, inputs, [0, 0])
+    # layers 0 and 4 share a body; 1 and 2 are regions called once (Dynamo inlines those); 3 inline
+    assert (report.calls, report.bodies, report.fallback) == (2, 1, ""), report
+    assert _same_as_eager(captured, model, inputs) == 0.0
+
+
+def test_layer_index_attribute_does_not_split_kinds():
+    model, inputs = _toy(3)
+    for i, layer in enumerate(model.layers):
+        layer.layer_idx = i + 10  # as transformers' layers carry their index
+    assert repeated._index_attributes(list(model.layers)) == {"layer_idx"}
+    assert len(repeated._kinds(model, [tl.Layer])) == 1
+
+
+def test_a_wrong_reuse_is_refused():
+    """torch 2.13 stamps out a region bound to one instance (``layer.forward = region(...)``)
+    with the FIRST layer's weights at every later call: the proof catches it."""
+    model, inputs = _toy(3)
+    for layer in model.layers:
+        layer.forward = torch.compiler.nested_compile_region(tl.Layer.forward).__get__(layer)
+    try:
+        captured = capture(model, inputs, [0, 0])
+    finally:
+        for layer in model.layers:
+            del layer.forward
+    calls = regions.region_calls(captured.gm)
+    if len(calls) < 2:
+        pytest.skip("this torch traces each bound region on its own")
+    with pytest.raises(CaptureError, match="already used|no single layer"):
+        repeated._prove(captured, model, [tl.Layer])
+
+
+def _hf(kind: str, layers: int = 6) -> torch.nn.Module:
+    import transformers as T
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    if kind == "gemma2":  # sliding-window and global attention, alternating
+        return T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=8, sliding_window=4)).eval()
+    if kind == "moe":  # a mixture of experts every other layer
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+            **common, decoder_sparse_step=2, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16)).eval()
+    return T.Qwen2ForCausalLM(T.Qwen2Config(**common)).eval()
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("kind,bodies", [("qwen2", 1), ("gemma2", 2), ("moe", 2)])
+def test_transformers_layers_one_body_per_kind(kind, bodies):
+    wrapped = _Logits(_hf(kind))
+    ids = torch.randint(0, 128, (1, 10))
+    captured, report = repeated.capture_repeated(wrapped, [ids], [1], params_of=wrapped)
+    assert (report.calls, report.bodies, report.fallback) == (6, bodies, ""), report
+    assert _same_as_eager(captured, wrapped, [ids]) == 0.0
