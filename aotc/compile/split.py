@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any
 
 import torch
@@ -107,6 +108,32 @@ def _example(node: Any) -> Any:
     )
 
 
+def _canonical(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with its nodes named after their order alone (inputs ``in_0``, ``in_1``, …; the
+    others ``add``, ``add_1``, … per base name): two pieces that compute the same thing then carry the same names, and
+    Inductor's cache key reads them (a layer inlined from a region at depth k names its nodes
+    ``add_6``, the same layer traced plainly ``add``)."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    seen: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":  # (called by position: a name of its own order alone)
+            env[n] = graph.placeholder(f"in_{len(env)}", type_expr=n.type)
+            env[n].meta = n.meta
+            continue
+        if n.op == "output":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            continue
+        base = re.sub(r"_\d+$", "", n.name) or "v"
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        env[n] = graph.create_node(n.op, n.target, torch.fx.node.map_arg(n.args, lambda a: env[a]),
+                                   torch.fx.node.map_arg(n.kwargs, lambda a: env[a]),
+                                   name=base if k == 0 else f"{base}_{k}", type_expr=n.type)
+        env[n].meta = n.meta
+    return torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+
+
 def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
     """Split ``gm`` so each call of an op in ``splitting_ops`` is alone in its own piece.
 
@@ -145,6 +172,9 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
         stitch = split_module(gm, None, lambda n: part_of[n], **kwargs)  # type: ignore[arg-type]  # torch accepts None: no root module to copy attributes from
     except Exception as e:  # noqa: BLE001 - split_module raises assorted errors
         raise SplitError(f"torch.fx split_module failed on the captured graph: {e}") from e
+    for name, sub in list(stitch.named_children()):  # the same piece at any depth: one key
+        if isinstance(sub, torch.fx.GraphModule):
+            setattr(stitch, name, _canonical(sub))
 
     # Values flowing into each piece: the stitch graph's placeholders carry the original
     # metas; piece outputs are getitem nodes whose values we read from the piece's output node.
