@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The demo uses a store inside the checkout so it never touches ~/.cache.
 DEMO_STORE ?= $(CURDIR)/.aotc-store
 
-.PHONY: install demo test test-quick bench bench-quick bench-real bench-vllm lint clean gpu-wheels test-torch-compat
+.PHONY: install demo test test-quick bench bench-quick bench-real bench-depth bench-vllm lint clean gpu-wheels test-torch-compat
 
 install: $(STAMP)
 
@@ -39,11 +39,13 @@ test: install
 test-quick: install
 	$(PY) -m pytest -q -m "not slow" tests
 
-# Full side-by-side run (<= 35 min on 2 cores): writes bench/results/latest.{json,md},
-# bench/results/vllm.{json,md}, hf_generate.{json,md}, single_flight.{json,md} and clients.{json,md}
+# Full side-by-side run (<= 45 min on 2 cores): writes bench/results/latest.{json,md},
+# bench/results/vllm.{json,md}, hf_generate.{json,md}, single_flight.{json,md}, depth.{json,md}
+# and clients.{json,md}
 bench: install
 	$(PY) -m bench.store
 	$(PY) -m bench.sidebyside
+	$(PY) -m bench.depth
 	$(PY) -m bench.vllm_serving
 	$(PY) -m bench.hf_generate
 	$(PY) -m bench.single_flight
@@ -53,6 +55,11 @@ bench: install
 # side (<= 15 min on 2 cores): bench/results/real.{json,md}
 bench-real: install
 	$(PY) -m bench.real
+
+# compile time against depth (2 vs 32 layers, 2 vs 24 at 0.5B; regions off/auto; the backend
+# plain/marked), medians of 3 (<= 12 min): bench/results/depth.{json,md}
+bench-depth: install
+	$(PY) -m bench.depth
 
 # the real vLLM engine side by side (<= 10 min): bench/results/vllm.{json,md}
 bench-vllm: install

@@ -72,6 +72,20 @@ def test_bundled_tiny_hf_llama_loads() -> None:
     assert m.compile_sizes == (1, 4, 16) and m.capture_sizes == ()
 
 
+def test_regions_field(tmp_path: Path) -> None:
+    """``regions``: auto by default; a bare YAML ``off`` (read as false) is the word ``off``;
+    class names are kept sorted and enter the key."""
+    assert parse_manifest(minimal(), base_dir=tmp_path).regions == "auto"
+    off = load_manifest(write(tmp_path, yaml.safe_dump(minimal()) + "regions: off\n"))
+    assert off.regions == "off"
+    named = parse_manifest(minimal(regions=["Z", "LlamaDecoderLayer"]), base_dir=tmp_path)
+    assert named.regions == ("LlamaDecoderLayer", "Z")
+    keys = {json.dumps(m.key_factors(), sort_keys=True) for m in
+            (parse_manifest(minimal(), base_dir=tmp_path), off, named)}
+    assert len(keys) == 3
+    assert parse_manifest(named.to_dict(), base_dir=tmp_path).regions == named.regions
+
+
 def test_defaults_applied(tmp_path: Path) -> None:
     m = parse_manifest(minimal(), base_dir=tmp_path)
     assert (m.dtype, m.device, m.max_tokens, m.cudagraph) == ("float32", "cpu", 4096, "piecewise")

@@ -10,11 +10,10 @@ split (attention sits inside the body), so what follows the trace sees a flat gr
 
 Marking is per class and undone after the trace (the class's ``forward`` is wrapped, then put
 back). Not per instance: a region bound to one instance (``layer.forward = region(...)``) is
-stamped out by torch 2.13 with the FIRST instance's weights at every later call — Dynamo does not
-rewrite a bound ``self`` it captured (aotc's own check of each call's weights,
-:mod:`aotc.compile.repeated`, refuses such a graph; a test keeps the hazard in view). Tested on torch 2.11–2.13 (``reuse`` of a traced body
-needs torch >= 2.12's subgraph reuse; on older torch a marked region is traced at every call and
-the graph is the same).
+stamped out by torch 2.13 with the FIRST instance's weights at every later call — Dynamo does
+not rewrite a bound ``self`` it captured (aotc's own check of each call's weights,
+:mod:`aotc.compile.repeated`, refuses such a graph; a test keeps the hazard in view).
+Tested on torch 2.13 (and 2.11 through ``make test-torch-compat``).
 """
 
 from __future__ import annotations
@@ -120,10 +119,14 @@ def inline_regions(gm: torch.fx.GraphModule) -> int:
     """Replace every region call of ``gm`` (bodies first, recursively) by a copy of its body's
     nodes; returns how many calls were inlined. The graph is changed in place and recompiled."""
     count = 0
-    for name, sub in list(gm.named_children()):
+    for sub in list(gm.children()):
         if isinstance(sub, torch.fx.GraphModule):
             count += inline_regions(sub)
     calls = region_calls(gm)
+    for call in calls:  # checked before anything changes: a graph is inlined whole or not at all
+        if any(u.op != "call_function" or u.target is not operator.getitem
+               or not isinstance(u.args[1], int) for u in call.node.users):
+            raise RuntimeError(f"region call {call.node.name} is used other than by indexing")
     for call in calls:
         body = _attr(gm, call.body)
         operands = call.node.args[2:]  # read now: an earlier call's outputs were just replaced
@@ -138,16 +141,13 @@ def inline_regions(gm: torch.fx.GraphModule) -> int:
                     env[sub_node] = gm.graph.get_attr(target)
                     env[sub_node].meta = dict(sub_node.meta)
                     continue
-                env[sub_node] = gm.graph.node_copy(sub_node, lambda n: env[n])
+                env[sub_node] = gm.graph.node_copy(sub_node, env.__getitem__)
         out = next(n for n in body.graph.nodes if n.op == "output").args[0]
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for user in list(call.node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                got = outs[user.args[1]]
-                user.replace_all_uses_with(env[got] if isinstance(got, torch.fx.Node) else got)
-                gm.graph.erase_node(user)
-        if call.node.users:
-            raise RuntimeError(f"region call {call.node.name} is used other than by indexing")
+            got = outs[int(user.args[1])]  # type: ignore[arg-type]  # an int: checked above
+            user.replace_all_uses_with(env[got] if isinstance(got, torch.fx.Node) else got)
+            gm.graph.erase_node(user)
         get_body = call.node.args[0]
         gm.graph.erase_node(call.node)
         if isinstance(get_body, torch.fx.Node) and not get_body.users:

@@ -206,8 +206,10 @@ DynamicMode = Literal["auto", "unbacked", "backed"]
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block (on again after, if it was on): a
-    trace makes hundreds of thousands of objects, and the collections they set off cost 0.4 to
-    0.7 s of a cold capture here; what the block leaves cyclic is collected afterwards."""
+    trace and Inductor's codegen make hundreds of thousands of objects, and the collections they
+    set off cost 0.4 to 0.7 s of a cold capture and ~10 % of a backend compile here (toy, 8
+    layers: 5.06 → 4.55 s; peak RSS +10 MB); what the block leaves cyclic is collected after.
+    Only for the call that compiles: a guest in a server pauses nothing beyond it."""
     was = gc.isenabled()
     gc.disable()
     try:

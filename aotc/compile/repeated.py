@@ -252,7 +252,7 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
             calls, bodies = _prove(captured, owner, classes)
             regions.inline_regions(captured.gm)
         return captured, RegionReport(names, calls, bodies)
-    except CaptureError as e:
-        reason = " ".join(str(e).split())[:200]
+    except (CaptureError, RuntimeError) as e:  # (a region Dynamo or the inlining could not handle)
+        reason = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return (capture(model, example_inputs, dynamic_dims, params_of=params_of),
             RegionReport(names, fallback=f"regions of {', '.join(names)} not used: {reason}"))

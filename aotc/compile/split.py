@@ -173,8 +173,8 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
     except Exception as e:  # noqa: BLE001 - split_module raises assorted errors
         raise SplitError(f"torch.fx split_module failed on the captured graph: {e}") from e
     for name, sub in list(stitch.named_children()):  # the same piece at any depth: one key
-        if isinstance(sub, torch.fx.GraphModule):
-            setattr(stitch, name, _canonical(sub))
+        if isinstance(sub, torch.fx.GraphModule) and int(name.rsplit("_", 1)[1]) not in split_parts:
+            setattr(stitch, name, _canonical(sub))  # (attention runs eagerly: no key to match)
 
     # Values flowing into each piece: the stitch graph's placeholders carry the original
     # metas; piece outputs are getitem nodes whose values we read from the piece's output node.

@@ -187,7 +187,10 @@ def validate(data: Any, base: Path) -> Manifest:
 
 
 def _regions(v: Any) -> str | tuple[str, ...]:
-    """``auto``, ``off`` or a list of module class names (bare or dotted) traced once each."""
+    """``auto``, ``off`` or a list of module class names (bare or dotted) traced once each. YAML
+    reads a bare ``off`` as false (and ``on`` as true): taken as the words they were."""
+    if isinstance(v, bool):
+        return "auto" if v else "off"
     if isinstance(v, str):
         return _choice(v, "regions", ("auto", "off"))
     names = _seq(v, "regions")
