@@ -16,6 +16,8 @@ from aotc.compile.capture import capture, graph_args
 from aotc.errors import CaptureError
 from aotc.models import toy_llama as tl
 
+reuses = pytest.mark.skipif(not regions.supported(), reason="this torch does not reuse a traced region")
+
 
 def _toy(layers: int = 4) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     model = tl.build(layers=layers, hidden=64, heads=4, vocab=128)
@@ -33,6 +35,7 @@ def _same_as_eager(captured, model, inputs, params_of=None) -> float:
     return (got - want).abs().max().item()
 
 
+@reuses
 def test_layers_traced_as_one_body_then_flat_and_right():
     model, inputs = _toy(4)
     before = tl.Layer.__dict__["forward"]
@@ -45,6 +48,7 @@ def test_layers_traced_as_one_body_then_flat_and_right():
     assert tl.Layer.__dict__["forward"] is before  # the class is as it was
 
 
+@reuses
 def test_regions_off_and_by_name():
     model, inputs = _toy(3)
     _, off = repeated.capture_repeated(model, inputs, [0, 0], wanted="off")
@@ -53,6 +57,14 @@ def test_regions_off_and_by_name():
     assert (named.calls, named.bodies) == (3, 1)
     with pytest.raises(CaptureError, match="no module of class 'DecoderLayer'"):
         repeated.capture_repeated(model, inputs, [0, 0], wanted=["DecoderLayer"])
+
+
+def test_a_torch_that_does_not_reuse_traces_plainly(monkeypatch):
+    model, inputs = _toy(3)
+    monkeypatch.setattr(regions, "supported", lambda: False)
+    captured, report = repeated.capture_repeated(model, inputs, [0, 0])
+    assert report.calls == 0 and "does not reuse" in report.fallback
+    assert not regions.region_calls(captured.gm)
 
 
 def test_auto_picks_the_outermost_repeated_user_class():
@@ -86,6 +98,7 @@ def test_auto_picks_the_outermost_repeated_user_class():
     assert repeated.repeated_classes(Net()) == [Block]  # not Expert (inside), not torch's Linear
 
 
+@reuses
 def test_a_layer_that_differs_is_a_kind_of_its_own():
     """A submodule hook, another attribute value, an instance's own forward: traced apart."""
     model, inputs = _toy(5)
@@ -110,6 +123,7 @@ def test_layer_index_attribute_does_not_split_kinds():
     assert len(repeated._kinds(model, [tl.Layer])) == 1
 
 
+@reuses
 def test_a_wrong_reuse_is_refused():
     """torch 2.13 stamps out a region bound to one instance (``layer.forward = region(...)``)
     with the FIRST layer's weights at every later call: the proof catches it."""
@@ -122,8 +136,8 @@ def test_a_wrong_reuse_is_refused():
         for layer in model.layers:
             del layer.forward
     calls = regions.region_calls(captured.gm)
-    if len(calls) < 2:
-        pytest.skip("this torch traces each bound region on its own")
+    if len({c.body for c in calls}) == len(calls):
+        pytest.skip("this torch traced each bound region on its own (no reuse to refuse)")
     with pytest.raises(CaptureError, match="already used|no single layer"):
         repeated._prove(captured, model, [tl.Layer])
 
@@ -152,6 +166,7 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=ids).logits
 
 
+@reuses
 @pytest.mark.parametrize("kind,bodies", [("qwen2", 1), ("gemma2", 2), ("moe", 2)])
 def test_transformers_layers_one_body_per_kind(kind, bodies):
     wrapped = _Logits(_hf(kind))

@@ -32,8 +32,15 @@ __all__ = ["RegionCall", "inline_regions", "marked", "region_calls", "supported"
 
 
 def supported() -> bool:
-    """Whether this torch has ``torch.compiler.nested_compile_region``."""
-    return hasattr(torch.compiler, "nested_compile_region") and _hop() is not None
+    """Whether this torch traces a region once and reuses it: ``nested_compile_region`` with
+    ``max_reuse_entries`` (torch 2.12+, whose Dynamo stamps out a traced body). torch 2.11 has
+    the region but traces it at every call — slower than no region at all — so aotc does not
+    mark there."""
+    import inspect
+
+    mark = getattr(torch.compiler, "nested_compile_region", None)
+    return mark is not None and _hop() is not None \
+        and "max_reuse_entries" in inspect.signature(mark).parameters
 
 
 def _hop() -> Any:
@@ -66,7 +73,7 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> It
             else:
                 fn = original[cls] = cls.forward
             patched.append((cls, cls.__dict__.get("forward")))
-            cls.forward = torch.compiler.nested_compile_region(fn, max_reuse_entries=max(8, max_reuse))
+            cls.forward = _region(fn, max(8, max_reuse))
         yield
     finally:
         for cls, own in reversed(patched):
@@ -76,6 +83,16 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> It
                 cls.forward = own
         for m, cls in moved:
             m.__class__ = cls
+
+
+def _region(fn: Any, max_reuse: int) -> Any:
+    """``nested_compile_region(fn)``, with ``max_reuse_entries`` where this torch takes it."""
+    import inspect
+
+    mark = torch.compiler.nested_compile_region
+    if "max_reuse_entries" in inspect.signature(mark).parameters:
+        return mark(fn, max_reuse_entries=max_reuse)
+    return mark(fn)
 
 
 def _renamed(fn: Any, n: int) -> Any:

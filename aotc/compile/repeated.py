@@ -239,10 +239,11 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
     (module doc), the graph flat (regions inlined) and every reuse proven; else a plain capture
     and the reason in the report."""
     owner = model if params_of is None else params_of
-    classes = repeated_classes(owner, wanted) if regions.supported() else []
+    classes = repeated_classes(owner, wanted)
     names = tuple(c.__name__ for c in classes)
-    if not classes:
-        return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names)
+    if not classes or not regions.supported():
+        why = "" if not classes else f"torch {torch.__version__} does not reuse a traced region (2.12+)"
+        return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
     kinds = _kinds(owner, classes)
     count = sum(len(k) for k in kinds)
     try:
