@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,6 +113,10 @@ def test_bf16_hf_model_default_tolerance_and_a_failed_check_reused_honestly(comp
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["compiles"] == 0 and out["resumed"] == 3  # the pieces of the failed attempt
+    from aotc._torch import regions
+
+    if regions.supported():  # every decoder layer traced as one body, and --json says so
+        assert re.fullmatch(r"LlamaDecoderLayer: \d+ layers traced as 1 body", out["regions"]), out["regions"]
     assert out["resumed_from"] == "an earlier compile of this key that failed its numeric check"
     atol = load_manifest(loose).tolerance.atol
     assert 1e-3 < out["max_abs_err"] <= atol, out["numerics"]

@@ -29,6 +29,7 @@ class Traced:
     uid_of: dict[str, str]  # piece name -> unique id (compiled pieces only)
     first_of: dict[str, Piece]  # unique id -> first piece with it, in order
     warnings: list[str]
+    regions: str = ""  # what the capture did with the repeated layers (RegionReport.line)
 
 
 def _check_splitting_ops(manifest: Manifest, gm: Any, pieces: int) -> None:
@@ -96,7 +97,7 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
     for w in parts.warnings:
         progress.note(w)
-    return Traced(model, captured, parts, uid_of, first_of, list(parts.warnings))
+    return Traced(model, captured, parts, uid_of, first_of, list(parts.warnings), report.line())
 
 
 def _dense_order(shape: list[int], strides: list[int]) -> list[int] | None:

@@ -59,6 +59,7 @@ class CompileResult:
     # C++ kernel libraries the compiles built, and took from the compile's pool (aotc._torch.kernel_pool)
     kernels: dict[str, int] = field(default_factory=dict)
     vllm_records: list[str] = field(default_factory=list)  # a vLLM manifest: vLLM's AOT records stored
+    regions: str = ""  # how the capture traced the repeated layers (aotc.compile.repeated)
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "hit": self.hit, "pieces": self.pieces,
@@ -68,6 +69,7 @@ class CompileResult:
                 "warnings": list(self.warnings), "store": self.store, "resumed": self.resumed,
                 "resumed_from": self.resumed_from if self.resumed else None,
                 "shared": self.shared, "profile": self.profile, "kernels": self.kernels,
+                **({"regions": self.regions} if self.regions else {}),
                 **({"vllm_records": self.vllm_records} if self.vllm_records else {})}
 
 
@@ -201,7 +203,7 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
         max_abs_err=numerics["max_abs_err"], numerics=numerics,
         warnings=(*traced.warnings, *built.warnings), store=str(store.root), resumed=built.resumed,
         resumed_from=built.resumed_from, shared=built.shared, profile=built.profile,
-        kernels=built.kernels)
+        kernels=built.kernels, regions=traced.regions)
 
 
 def _hit(entry: Any, manifest: Manifest, seconds: dict[str, float], store: Any,
