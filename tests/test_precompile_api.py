@@ -289,7 +289,7 @@ def test_the_load_pauses_the_garbage_collector_and_puts_it_back() -> None:
     off by the unpickled objects was half the load); it is back as it was after, raise or not."""
     import gc
 
-    from aotc.dynamo_artifacts.load import _gc_paused
+    from aotc.gc_pause import gc_paused as _gc_paused
 
     assert gc.isenabled()
     with _gc_paused():

@@ -27,13 +27,11 @@ inputs, so each placeholder is mapped back to its FQN by object identity.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import hashlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -42,10 +40,11 @@ import torch.fx
 from aotc._torch import dynamo
 from aotc.counters import COUNTERS
 from aotc.errors import CaptureError
+from aotc.gc_pause import gc_paused
 from aotc.lookup.filehash import is_toolchain_file
 from aotc.model.state import named_tensors
 
-__all__ = ["ArgSlot", "Captured", "capture", "gc_paused", "graph_args"]
+__all__ = ["ArgSlot", "Captured", "capture", "graph_args"]
 
 _SHAPE_ID = "aotc_tokens"
 ArgKind = Literal["param", "buffer", "input", "symbol"]
@@ -201,22 +200,6 @@ def _arg_spec(
 
 
 DynamicMode = Literal["auto", "unbacked", "backed"]
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (on again after, if it was on): a
-    trace and Inductor's codegen make hundreds of thousands of objects, and the collections they
-    set off cost 0.4 to 0.7 s of a cold capture and ~10 % of a backend compile here (toy, 8
-    layers: 5.06 → 4.55 s; peak RSS +10 MB); what the block leaves cyclic is collected after.
-    Only for the call that compiles: a guest in a server pauses nothing beyond it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _trace(

@@ -25,7 +25,6 @@ from typing import Any
 
 from aotc._torch.task_result import CompiledPiece
 from aotc.cache import workdirs
-from aotc.compile.capture import gc_paused
 from aotc.compile.reuse import seed_from_store
 from aotc.compile.split import Piece
 from aotc.compile.workers import (
@@ -41,6 +40,7 @@ from aotc.compile.workers import (
 )
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.fleet.trust import Signer
+from aotc.gc_pause import gc_paused
 from aotc.progress import Progress
 from aotc.records.program import PROGRAM_ROLE, ArtifactRecord, Program, artifact_role, kernel_roles, wrapper_role
 from aotc.runtime.rehydrate import rehydrate

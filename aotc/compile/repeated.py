@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from aotc._torch import regions
-from aotc.compile.capture import Captured, capture, gc_paused
+from aotc.compile.capture import Captured, capture
 from aotc.errors import CaptureError
+from aotc.gc_pause import gc_paused
 
 __all__ = ["RegionReport", "capture_repeated", "repeated_classes", "structure_key"]
 

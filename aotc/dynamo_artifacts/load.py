@@ -13,33 +13,17 @@ process starts warm.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aotc._torch import precompile as dyn
 from aotc.dynamo_artifacts.callable import Precompiled, traced_path
+from aotc.gc_pause import gc_paused
 from aotc.log import logger
 
 __all__ = ["load_functions", "precompiled"]
 
 _log = logger("precompile")
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic GC off for the block (back as it was after). Rebuilding Dynamo's guards
-    unpickles ~16k objects; those allocations cross the GC's threshold and set off a full
-    collection of the server's whole heap (torch, transformers, the model): 0.24 s of a 0.42 s
-    load measured on a tiny Llama, spent walking objects that are not garbage."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def load_functions(entry: Any, tiered: Any, context: Any, module: str) -> list[Any]:
@@ -123,7 +107,7 @@ def _find_and_load(target: Callable[..., Any], identity: str, module: str, name:
         why = "; ".join(d.describe() for d in found.diffs)[:300] or "none stored"
         _log.info(f"aotc: precompiled {identity}: no stored entry for this machine and these sources ({why})")
         return Precompiled(target, identity, [], None, traced, build, str(tiered.local.root))
-    with _gc_paused():
+    with gc_paused():
         functions = load_functions(found.entry, tiered, context, module)
     _log.info(f"aotc: precompiled {identity}: loaded {len(functions)} function(s) from "
               f"{found.entry.key[:16]}… (no trace)")

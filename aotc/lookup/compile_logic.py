@@ -27,6 +27,7 @@ NOT_COMPILE_LOGIC: dict[str, str] = {
     "aotc.errors": "exception classes and their messages",
     "aotc.progress": "progress lines (a stream, or the aotc.progress logger)",
     "aotc.log": "where aotc's log lines go (the aotc logger, AOTC_LOG), not what is compiled",
+    "aotc.gc_pause": "when Python's garbage collector runs during a call, not what it computes",
     "aotc.settings": "reads AOTC_* variables; the ones a compile uses (sizes, ops) are factors",
     "aotc.fleet": _FLEET, "aotc.fleet.bundle": _FLEET, "aotc.fleet.remote": _FLEET,
     "aotc.fleet.remote_scan": _FLEET, "aotc.fleet.sync": _FLEET, "aotc.fleet.trust": _FLEET,
