@@ -77,7 +77,10 @@ def toy_manifest(work: Path, layers: int, regions: str) -> Path:
 
 
 def real_manifest(work: Path, layers: int, regions: str) -> Path:
-    cfg = ", ".join(f"{k}: {json.dumps(v)}" for k, v in dict(QWEN2_05B, num_hidden_layers=layers).items())
+    # use_cache false: a forward that builds no KV cache (whose update in each layer would make
+    # no layer reusable: repeated.py); the model as a forward-only server would configure it
+    cfg = ", ".join(f"{k}: {json.dumps(v)}" for k, v in
+                    dict(QWEN2_05B, num_hidden_layers=layers, use_cache=False).items())
     path = work / f"depth-real-{layers}L-{regions}.yaml"
     path.write_text(f"""name: depth-real-{layers}L-{regions}
 model:

@@ -167,6 +167,21 @@ class _Logits(torch.nn.Module):
 
 
 @reuses
+def test_a_model_that_builds_a_kv_cache_is_traced_plainly():
+    """transformers' ``use_cache``: the cache update in every layer makes no layer reusable; and
+    calling it with ``use_cache=False`` would be another model (the position ids are then read
+    as packed sequences: another mask), so aotc traces it as it is."""
+    model = _hf("qwen2")
+    model.config.use_cache = True
+    wrapped = _Logits(model)
+    ids = torch.randint(0, 128, (1, 10))
+    captured, report = repeated.capture_repeated(wrapped, [ids], [1], params_of=wrapped)
+    assert report.calls == 0 and "KV cache" in report.fallback, report
+    assert not regions.region_calls(captured.gm)
+    assert _same_as_eager(captured, wrapped, [ids]) == 0.0
+
+
+@reuses
 @pytest.mark.parametrize("kind,bodies", [("qwen2", 1), ("gemma2", 2), ("moe", 2)])
 def test_transformers_layers_one_body_per_kind(kind, bodies):
     wrapped = _Logits(_hf(kind))

@@ -87,14 +87,14 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     captured, report = capture_repeated(model, make_inputs(manifest, trace_n), dynamic_dims(manifest),
                                         params_of=model.model, wanted=manifest.regions)
     seconds["capture"] = time.perf_counter() - t
-    progress.note(f"regions: {report.line()}")
 
     t = time.perf_counter()
     parts = split(captured.gm, list(manifest.splitting_ops))
     _check_splitting_ops(manifest, captured.gm, len(parts.pieces))
     uid_of, first_of = unique_pieces(parts.pieces, dict(manifest.inductor))
     seconds["split"] = time.perf_counter() - t
-    progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile")
+    progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile "
+                            f"(regions: {report.line()})")
     for w in parts.warnings:
         progress.note(w)
     return Traced(model, captured, parts, uid_of, first_of, list(parts.warnings), report.line())

@@ -211,6 +211,21 @@ def _prove(captured: Captured, model: torch.nn.Module, classes: Sequence[type]) 
     return len(calls), len(first)
 
 
+def _not_reusable(model: torch.nn.Module) -> str:
+    """Why no region of ``model`` could be reused in this trace ("" when it could): a torch
+    without reuse, or a model that builds a KV cache in its forward (transformers'
+    ``config.use_cache``): the cache update in every layer is a side effect, which makes a
+    layer's body ineligible (torch 2.13), and marking it only adds to the trace. Calling it
+    with ``use_cache=False`` instead is not the same model: transformers then reads the
+    position ids as packed sequences (another mask) — set ``use_cache: false`` in the config
+    where that is the model meant."""
+    if not regions.supported():
+        return f"torch {torch.__version__} does not reuse a traced region (2.12+)"
+    if any(getattr(getattr(m, "config", None), "use_cache", False) is True for m in model.modules()):
+        return "the model builds a KV cache in its forward (config.use_cache): no layer is reusable"
+    return ""
+
+
 def _kinds(model: torch.nn.Module, classes: Sequence[type]) -> list[list[torch.nn.Module]]:
     """The instances of each class grouped by structure key (index attributes left out): one
     group per kind of layer, in order of first appearance."""
@@ -242,8 +257,8 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
     owner = model if params_of is None else params_of
     classes = repeated_classes(owner, wanted)
     names = tuple(c.__name__ for c in classes)
-    if not classes or not regions.supported():
-        why = "" if not classes else f"torch {torch.__version__} does not reuse a traced region (2.12+)"
+    why = "" if not classes else _not_reusable(owner)
+    if not classes or why:
         return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
     kinds = _kinds(owner, classes)
     count = sum(len(k) for k in kinds)

@@ -149,14 +149,7 @@ def by_name(model: torch.nn.Module, manifest: Manifest) -> ByName:
                                 f"{type(inner).__name__}.forward has no parameter {spec.name!r} "
                                 f"(it takes {', '.join(params) or 'nothing'}); inputs are passed "
                                 "by name")
-    names = [s.name for s in manifest.inputs]
-    output = manifest.model.output
-    # a forward whose declared output is picked (logits) need not build a KV cache: without it
-    # the graph returns no cache tensors, and each layer is a region Dynamo can reuse (a cache
-    # update is a side effect, which makes a layer's body ineligible)
-    fixed = {"use_cache": False} if output is not None and "use_cache" in named \
-        and "use_cache" not in names else {}
-    return ByName(inner, names, output, fixed)
+    return ByName(inner, [s.name for s in manifest.inputs], manifest.model.output)
 
 
 def build_model(manifest: Manifest) -> torch.nn.Module:

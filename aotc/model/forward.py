@@ -16,21 +16,17 @@ class ByName(torch.nn.Module):
     ``model(**dict(zip(names, inputs)))`` -- by keyword, so each input reaches the parameter the
     manifest names whatever the forward's order -- and returns the declared output: one field /
     index of a dataclass or tuple output, a tuple of several, or the output as it is.
-    Parameters keep the model's own names (:func:`unwrap`). ``fixed``: keyword arguments passed
-    at every call besides the inputs (``use_cache=False``: a forward whose declared output is
-    not its cache builds none)."""
+    Parameters keep the model's own names (:func:`unwrap`)."""
 
     def __init__(self, model: torch.nn.Module, names: Sequence[str],
-                 output: str | int | Sequence[str | int] | None = None,
-                 fixed: Mapping[str, Any] | None = None) -> None:
+                 output: str | int | Sequence[str | int] | None = None) -> None:
         super().__init__()
         self.model = model
         self.names = tuple(names)
         self.output = output
-        self.fixed = dict(fixed or {})
 
     def forward(self, *args: Any) -> Any:
-        return pick_output(self.model(**dict(zip(self.names, args)), **self.fixed), self.output)
+        return pick_output(self.model(**dict(zip(self.names, args))), self.output)
 
 
 def pick_output(out: Any, output: str | int | Sequence[str | int] | None) -> Any:
