@@ -107,7 +107,7 @@ def test_a_layer_that_differs_is_a_kind_of_its_own():
     own = tl.Layer.forward  # (as accelerate's hooks keep the forward they wrap)
     model.layers[3].forward = types.MethodType(lambda self, x, cos, sin: own(self, x, cos, sin) + 1,
                                                model.layers[3])
-    kinds = repeated._kinds(model, [tl.Layer])
+    kinds = repeated._kinds(model, [tl.Layer])[0]
     assert sorted(len(k) for k in kinds) == [1, 1, 1, 2]
     captured, report = repeated.capture_repeated(model, inputs, [0, 0])
     # layers 0 and 4 share a body; 1 and 2 are regions called once (Dynamo inlines those); 3 inline
@@ -120,7 +120,7 @@ def test_layer_index_attribute_does_not_split_kinds():
     for i, layer in enumerate(model.layers):
         layer.layer_idx = i + 10  # as transformers' layers carry their index
     assert repeated._index_attributes(list(model.layers)) == {"layer_idx"}
-    assert len(repeated._kinds(model, [tl.Layer])) == 1
+    assert len(repeated._kinds(model, [tl.Layer])[0]) == 1
 
 
 @reuses

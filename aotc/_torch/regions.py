@@ -54,7 +54,8 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> It
     restored (module doc). The first group of a class marks the class itself; a later group of
     the same class gets a subclass of its own for the block (``instance.__class__``), so Dynamo
     keeps one body per group and never stamps one group's body out for another. ``max_reuse``:
-    the distinct bodies Dynamo may keep per region before it refuses."""
+    the distinct bodies Dynamo may keep per region before it refuses. Only where
+    :func:`supported` holds."""
     patched: list[tuple[type, Any]] = []
     moved: list[tuple[torch.nn.Module, type]] = []
     original: dict[type, Any] = {}  # each class's forward before any region was put on it
@@ -73,7 +74,7 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> It
             else:
                 fn = original[cls] = cls.forward
             patched.append((cls, cls.__dict__.get("forward")))
-            cls.forward = _region(fn, max(8, max_reuse))
+            cls.forward = torch.compiler.nested_compile_region(fn, max_reuse_entries=max(8, max_reuse))
         yield
     finally:
         for cls, own in reversed(patched):
@@ -83,16 +84,6 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> It
                 cls.forward = own
         for m, cls in moved:
             m.__class__ = cls
-
-
-def _region(fn: Any, max_reuse: int) -> Any:
-    """``nested_compile_region(fn)``, with ``max_reuse_entries`` where this torch takes it."""
-    import inspect
-
-    mark = torch.compiler.nested_compile_region
-    if "max_reuse_entries" in inspect.signature(mark).parameters:
-        return mark(fn, max_reuse_entries=max_reuse)
-    return mark(fn)
 
 
 def _renamed(fn: Any, n: int) -> Any:
@@ -125,13 +116,6 @@ def region_calls(gm: torch.fx.GraphModule) -> list[RegionCall]:
             for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
 
 
-def _attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def inline_regions(gm: torch.fx.GraphModule) -> int:
     """Replace every region call of ``gm`` (bodies first, recursively) by a copy of its body's
     nodes; returns how many calls were inlined. The graph is changed in place and recompiled."""
@@ -145,7 +129,7 @@ def inline_regions(gm: torch.fx.GraphModule) -> int:
                or not isinstance(u.args[1], int) for u in call.node.users):
             raise RuntimeError(f"region call {call.node.name} is used other than by indexing")
     for call in calls:
-        body = _attr(gm, call.body)
+        body = operator.attrgetter(call.body)(gm)
         operands = call.node.args[2:]  # read now: an earlier call's outputs were just replaced
         env: dict[torch.fx.Node, Any] = dict(zip(
             [n for n in body.graph.nodes if n.op == "placeholder"], operands))
@@ -182,9 +166,9 @@ def inline_regions(gm: torch.fx.GraphModule) -> int:
 
 def _hoist(gm: torch.fx.GraphModule, body: torch.fx.GraphModule, target: str) -> str:
     """``body``'s attribute ``target`` registered on ``gm`` (under a free name); its name there."""
-    value = _attr(body, target)
+    value = operator.attrgetter(target)(body)
     name, i = target.replace(".", "_"), 0
-    while hasattr(gm, name) and _attr(gm, name) is not value:
+    while hasattr(gm, name) and getattr(gm, name) is not value:
         i += 1
         name = f"{target.replace('.', '_')}_{i}"
     if not hasattr(gm, name):

@@ -13,6 +13,7 @@ replaced).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,13 +25,6 @@ from aotc._torch import regions
 __all__ = ["flat_graph"]
 
 
-def _attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def flat_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                ) -> tuple[torch.fx.GraphModule, list[Any], tuple[torch.Tensor, ...]]:
     """``(graph, example inputs, extra inputs)``: ``gm`` with its regions inlined (in place:
@@ -38,8 +32,8 @@ def flat_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     as inputs after the given ones (``extra inputs``: the live tensors, in that order; the
     caller appends them at every call). ``gm`` itself keeps its attributes."""
     regions.inline_regions(gm)
-    lifted = [n for n in gm.graph.nodes if n.op == "get_attr"
-              and isinstance(_attr(gm, str(n.target)), torch.Tensor)]
+    values = {n: operator.attrgetter(str(n.target))(gm) for n in gm.graph.nodes if n.op == "get_attr"}
+    lifted = [n for n, v in values.items() if isinstance(v, torch.Tensor)]
     if not lifted:
         return gm, list(example_inputs), ()
     graph = torch.fx.Graph()
@@ -55,5 +49,5 @@ def flat_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         if n not in env:
             env[n] = graph.node_copy(n, lambda a: env[a])
     out = torch.fx.GraphModule(gm, graph)
-    extra = tuple(_attr(gm, str(n.target)) for n in lifted)
+    extra = tuple(values[n] for n in lifted)
     return out, [*example_inputs, *extra], extra

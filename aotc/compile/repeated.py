@@ -173,19 +173,20 @@ def _attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
     return out
 
 
-def _prove(captured: Captured, model: torch.nn.Module, classes: Sequence[type]) -> tuple[int, int]:
+def _prove(captured: Captured, model: torch.nn.Module, classes: Sequence[type],
+           key_of: dict[int, tuple[Any, ...]] | None = None) -> tuple[int, int]:
     """``(calls, bodies)`` of the captured graph's region calls, each reuse checked (module
-    doc); raises :class:`CaptureError` naming the first that is not right."""
+    doc); raises :class:`CaptureError` naming the first that is not right. ``key_of``: each
+    instance's structure key by ``id`` (as :func:`_kinds` made them; made here when absent)."""
     calls = regions.region_calls(captured.gm)
     if not calls:
         return 0, 0
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     fqn_of = {n: s.fqn for n, s in zip(placeholders, captured.arg_spec) if s.kind in ("param", "buffer")}
-    instances = {path: m for path, m in model.named_modules() if type(m) in set(classes)}
-    by_class: dict[type, list[torch.nn.Module]] = {}
-    for m in instances.values():
-        by_class.setdefault(type(m), []).append(m)
-    skip = {cls: _index_attributes(ms) for cls, ms in by_class.items()}
+    wanted = set(classes)
+    instances = {path: m for path, m in model.named_modules() if type(m) in wanted}
+    if key_of is None:
+        key_of = _kinds(model, classes)[1]
     keys: dict[str, tuple[Any, ...]] = {}
     first: dict[str, list[str | None]] = {}  # body -> relative weight name per operand
     used: set[str] = set()
@@ -203,8 +204,7 @@ def _prove(captured: Captured, model: torch.nn.Module, classes: Sequence[type]) 
         if first.setdefault(call.body, rel) != rel:
             raise CaptureError(f"region call {call.node.name} ({owner}) passes its weights in "
                                "another order than the body's first call")
-        m = instances[owner]
-        key = structure_key(m, skip[type(m)])
+        key = key_of[id(instances[owner])]
         if keys.setdefault(call.body, key) != key:
             raise CaptureError(f"layer {owner!r} reuses body {call.identifier!r} but differs in "
                                "structure from the layer it was traced for")
@@ -226,18 +226,21 @@ def _not_reusable(model: torch.nn.Module) -> str:
     return ""
 
 
-def _kinds(model: torch.nn.Module, classes: Sequence[type]) -> list[list[torch.nn.Module]]:
+def _kinds(model: torch.nn.Module, classes: Sequence[type]
+           ) -> tuple[list[list[torch.nn.Module]], dict[int, tuple[Any, ...]]]:
     """The instances of each class grouped by structure key (index attributes left out): one
-    group per kind of layer, in order of first appearance."""
+    group per kind of layer, in order of first appearance; and each instance's key by ``id``."""
     out: list[list[torch.nn.Module]] = []
+    key_of: dict[int, tuple[Any, ...]] = {}
     for cls in classes:
         ms = [m for m in model.modules() if type(m) is cls]
         skip = _index_attributes(ms)
         groups: dict[tuple[Any, ...], list[torch.nn.Module]] = {}
         for m in ms:
-            groups.setdefault(structure_key(m, skip), []).append(m)
+            key_of[id(m)] = structure_key(m, skip)
+            groups.setdefault(key_of[id(m)], []).append(m)
         out += groups.values()
-    return out
+    return out, key_of
 
 
 def _owner(weights: Sequence[str], instances: dict[str, torch.nn.Module]) -> str | None:
@@ -260,13 +263,13 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
     why = "" if not classes else _not_reusable(owner)
     if not classes or why:
         return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
-    kinds = _kinds(owner, classes)
+    kinds, key_of = _kinds(owner, classes)
     count = sum(len(k) for k in kinds)
     try:
         with regions.marked(kinds, max_reuse=count):
             captured = capture(model, example_inputs, dynamic_dims, params_of=params_of)
         with gc_paused():
-            calls, bodies = _prove(captured, owner, classes)
+            calls, bodies = _prove(captured, owner, classes, key_of)
             regions.inline_regions(captured.gm)
         return captured, RegionReport(names, calls, bodies)
     except (CaptureError, RuntimeError) as e:  # (a region Dynamo or the inlining could not handle)
