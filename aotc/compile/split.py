@@ -25,6 +25,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from aotc._torch.ops import op_name
+from aotc.compile.masks import hoist_boolean_masks
 from aotc.errors import SplitError
 
 __all__ = ["Piece", "SplitResult", "node_op_names", "split", "splitting_op_of"]
@@ -142,6 +143,7 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
     warning. Raises :class:`SplitError` if the split does not reproduce the expected layout.
     """
     wanted = {_strip_overload(s.strip()) for s in splitting_ops if s.strip()}
+    hoist_boolean_masks(gm, node_op_names, wanted)  # converted once, not per layer
     warnings: list[str] = []
     part_of: dict[torch.fx.Node, int] = {}
     pid, n_split, seen_names = 0, 0, set()
