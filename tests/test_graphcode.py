@@ -45,3 +45,26 @@ def test_a_graph_the_writer_does_not_know_runs_through_the_interpreter() -> None
             n["target"] = "method:not an identifier"  # the writer refuses; the interpreter fails at call
     program = GraphProgram(encoded)
     assert program._compiled is None
+
+
+def test_graphs_alike_but_for_names_are_decoded_once() -> None:
+    """One attention piece per layer differs from the next only in its node names: decoded
+    once (``decoded``); a graph with another constant is decoded on its own, and each runs
+    as it was written."""
+    from aotc.records.graphcode import decoded
+
+    def encoded(name: str, scale: float) -> dict:
+        g = torch.fx.Graph()
+        x = g.placeholder(f"x_{name}")
+        m = g.call_function(torch.ops.aten.mul.Tensor, (x, scale), name=f"mul_{name}")
+        g.output((m,))
+        return encode_graph(torch.fx.GraphModule(torch.nn.Module(), g))
+
+    a, b, c = encoded("3", 2.0), encoded("17", 2.0), encoded("4", 3.0)
+    assert a != b  # the records differ (names)
+    assert decoded(a) is decoded(b)
+    assert decoded(c) is not decoded(a)
+    x = torch.randn(4)
+    assert torch.equal(decoded(b)[0]({}, x)[0], x * 2.0)
+    assert torch.equal(decoded(c)[0]({}, x)[0], x * 3.0)
+    assert torch.equal(decoded(c)[1].fn(x)[0], x * 3.0)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
+from aotc.gc_pause import gc_paused
 from aotc.log import logger
 
 _log = logger("backend")
@@ -96,7 +97,8 @@ class AotcBackend:
         policy = cfg.fallback_for(context.settings)
         seen: dict[str, Any] = {}  # the local store once open, the graph's key once computed
         try:
-            return self._serve(gm, example_inputs, cfg, context, seen)
+            with gc_paused():  # the key, split, compile, check and load make many objects (aotc.gc_pause)
+                return self._serve(gm, example_inputs, cfg, context, seen)
         except Exception as e:  # noqa: BLE001 - the safety net: any failure serving this graph
             from aotc._torch.dynamo import is_restart
             from aotc.backend.given_up import remember

@@ -14,6 +14,7 @@ from aotc.compile.capture import Captured
 from aotc.compile.repeated import capture_repeated
 from aotc.compile.split import Piece, SplitResult, node_op_names, split
 from aotc.errors import SplitError
+from aotc.gc_pause import gc_paused
 from aotc.manifest import Manifest
 from aotc.model.build import build_model, by_name, dynamic_dims, make_inputs
 from aotc.progress import Progress
@@ -89,9 +90,10 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     seconds["capture"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    parts = split(captured.gm, list(manifest.splitting_ops))
-    _check_splitting_ops(manifest, captured.gm, len(parts.pieces))
-    uid_of, first_of = unique_pieces(parts.pieces, dict(manifest.inductor))
+    with gc_paused():  # (aotc.gc_pause) split_module and the pieces' keys make many objects
+        parts = split(captured.gm, list(manifest.splitting_ops))
+        _check_splitting_ops(manifest, captured.gm, len(parts.pieces))
+        uid_of, first_of = unique_pieces(parts.pieces, dict(manifest.inductor))
     seconds["split"] = time.perf_counter() - t
     progress.phase("split", f"{len(parts.pieces)} pieces, {len(first_of)} unique to compile "
                             f"(regions: {report.line()})")

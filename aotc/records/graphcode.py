@@ -17,6 +17,7 @@ Arguments are JSON with ``{"$node": name}``, ``{"$dtype": "float32"}``, ``{"$dev
 from __future__ import annotations
 
 import importlib
+import json
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -347,3 +348,43 @@ def _node_refs(a: Any) -> list[str]:
     if isinstance(a, list):
         return [r for x in a for r in _node_refs(x)]
     return []
+
+
+def _shape_text(encoded: Encoded) -> str:
+    """``encoded`` as text with its node names left out (a reference names the node's position):
+    two graphs that differ only in names — one attention piece per layer — read the same."""
+    at = {n["name"]: i for i, n in enumerate(encoded["nodes"])}
+
+    def plain(a: Any) -> Any:
+        if isinstance(a, dict):
+            if "$node" in a:
+                return {"$node": at[a["$node"]]}
+            return {k: plain(v) for k, v in a.items()}
+        if isinstance(a, list):
+            return [plain(x) for x in a]
+        return a
+
+    return json.dumps([{k: plain(v) for k, v in n.items() if k != "name"} for n in encoded["nodes"]],
+                      sort_keys=True)
+
+
+_DECODED: dict[str, tuple[GraphProgram, StraightLine | None]] = {}
+_DECODED_MAX = 1024
+
+
+def decoded(encoded: Encoded) -> tuple[GraphProgram, StraightLine | None]:
+    """``(GraphProgram(encoded), straight_line(encoded, {}))``, decoded once per graph shape in
+    this process: a program's attention pieces (one per layer, alike but for names), and the
+    same program rebuilt (the compile's check builds two runners, the load a third), share
+    them. Both are stateless: the modules and arguments come with each call."""
+    try:
+        text = _shape_text(encoded)
+    except (KeyError, TypeError, ValueError):  # a graph the writer cannot read: decoded as it is
+        return GraphProgram(encoded), straight_line(encoded, {})
+    got = _DECODED.get(text)
+    if got is None:
+        got = (GraphProgram(encoded), straight_line(encoded, {}))
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        _DECODED[text] = got
+    return got

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from aotc.errors import AotcError, InputError, RunError
-from aotc.records.graphcode import Bound, GraphProgram, StraightLine, straight_line
+from aotc.records.graphcode import Bound, StraightLine, decoded, straight_line
 from aotc.records.program import Program
 
 __all__ = ["Artifact", "PieceCall", "PieceWrap", "SplittingCall", "StitchedProgram", "Timings",
@@ -106,9 +106,8 @@ def in_layouts(args: Sequence[Any], layouts: Sequence[tuple[int, tuple[int, ...]
 class SplittingCall:
     """Runs an attention piece's small graph eagerly."""
 
-    def __init__(self, graph: GraphProgram, encoded: dict[str, Any]) -> None:
-        self.graph = graph
-        line = straight_line(encoded, {})
+    def __init__(self, encoded: dict[str, Any]) -> None:
+        self.graph, line = decoded(encoded)  # decoded once per graph shape (records.graphcode)
         self.direct: Callable[..., Any] = self if line is None else line.fn  # the graph as one function
 
     def __call__(self, *args: Any) -> Any:
@@ -185,13 +184,12 @@ class StitchedProgram:
         self.program, self.key, self.artifacts = program, key, artifacts
         self.timings = timings or Timings()
         self._local = threading.local()  # the token count of the call in flight, per thread
-        self._stitch = GraphProgram(program.stitch)
+        self._stitch = decoded(program.stitch)[0]
         self._modules: dict[str, Callable[..., Any]] = {}
         for p in program.pieces:
             call: Callable[..., Any]
             if p.kind != "compiled":
-                encoded = p.graph or {"nodes": []}
-                call = SplittingCall(GraphProgram(encoded), encoded)
+                call = SplittingCall(p.graph or {"nodes": []})
                 wrap = wrap_splitting
             else:
                 call = modules[p.name] if modules is not None and p.name in modules else \
