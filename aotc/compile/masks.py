@@ -9,7 +9,8 @@ it once per layer per call, eagerly (2 ``where`` + 2 ``scalar_tensor`` a layer; 
 graph does it once and fuses it). This pass, run on the captured graph before the split, puts
 those same ops once per (mask, dtype) right after the mask is made — in the compiled piece that
 makes it — and gives every attention call the float mask. SDPA passes a float mask through as
-it is, so the result is the same bits (tested).
+it is, so the result is the same bits (tested). CPU masks only: on CUDA, SDPA chooses among its
+kernels (cuDNN converts a boolean mask its own way) and that has not been checked on a GPU.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _mask_of(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.dtype] | None:
         return None
     query = node.args[0] if node.args else node.kwargs.get("query")
     m, q = _example(mask), _example(query)
-    if m is None or q is None or m.dtype != torch.bool or not q.dtype.is_floating_point:
+    if m is None or q is None or m.dtype != torch.bool or not q.dtype.is_floating_point \
+            or m.device.type != "cpu":  # (CUDA picks among kernels by the mask: not verified there)
         return None
     return mask, q.dtype  # type: ignore[return-value]  # _example returned a tensor: mask is a Node
 
