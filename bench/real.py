@@ -357,7 +357,7 @@ def say(msg: str) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="rounds of eager and the warm contenders")
-    ap.add_argument("--cold-runs", type=int, default=1, help="rounds of the cold contenders")
+    ap.add_argument("--cold-runs", type=int, default=3, help="rounds of the cold contenders")
     ap.add_argument("--decode-rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", default=str(HERE / "results"))
