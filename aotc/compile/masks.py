@@ -69,15 +69,13 @@ def _converted(graph: torch.fx.Graph, mask: torch.fx.Node, dtype: torch.dtype) -
     example = _example(mask)
     device = example.device
 
-    def zero(_: Any) -> torch.Tensor:
-        return torch.scalar_tensor(0.0, dtype=dtype, device=device)
+    def conversion(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        zero = torch.scalar_tensor(0.0, dtype=dtype, device=device)
+        ninf = torch.scalar_tensor(float("-inf"), dtype=dtype, device=device)
+        return zero, ninf, torch.where(m, zero, ninf)
 
-    def ninf(_: Any) -> torch.Tensor:
-        return torch.scalar_tensor(float("-inf"), dtype=dtype, device=device)
-
-    values = [run_like(example, zero), run_like(example, ninf),
-              run_like(example, lambda m: torch.where(m, zero(m), ninf(m)))]
-    if any(v is None for v in values):
+    values = run_like(example, conversion)  # the three nodes' example values, in one run
+    if values is None:
         return None
     anchor = mask if mask.op != "placeholder" else \
         next(n for n in graph.nodes if n.op != "placeholder").prev
