@@ -179,3 +179,21 @@ def test_the_memo_keeps_what_a_fresh_process_reads_whatever_this_one_changed(tmp
         capture_output=True, text=True, env=python_env(), check=True, timeout=120).stdout)
     assert mine["epilogue_fusion"] != fresh["epilogue_fusion"]
     assert memo == fresh
+
+
+def test_the_field_list_is_read_without_hashing_tritons_source() -> None:
+    # the details aotc reads its field list from equal torch's own but for system_info, which
+    # aotc keys in the toolchain group, and torch's get_system (triton_key) is never called
+    from torch._inductor.codecache import CacheBase, FxGraphHashDetails
+
+    before = CacheBase.get_system.cache_info()
+    mine = gf._details()
+    after = CacheBase.get_system.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses), "torch's get_system was called"
+    theirs = FxGraphHashDetails(None, [], {}, [])
+    assert sorted(vars(mine)) == sorted(vars(theirs))
+    assert mine.system_info == {} and "system_info" in gf.KEYED_ELSEWHERE
+    for name in vars(theirs):
+        if name != "system_info":
+            assert repr(getattr(mine, name)) == repr(getattr(theirs, name)), name
+    assert hasattr(CacheBase.get_system, "cache_info"), "torch's CacheBase was changed"

@@ -97,6 +97,8 @@ def test_no_aotc_process_outlives_its_caller(tmp_path: Path) -> None:
     assert res.returncode == 0 and "called" in res.stdout, res.stderr[-3000:]
     assert list((tmp_path / "backend" / "store").rglob("index.sqlite")), "the backend stored nothing"
     assert _none_left(marker) == [], "processes of the backend's caller still alive after it exited"
+    # the kernels' header and the ISA probes it started while Dynamo traced: killed, cleaned up
+    assert not [p.name for p in (tmp_path / "backend" / "tmp").iterdir() if p.is_file()], "compiler files left"
 
     # aotc compile -j 2 (a forked worker) of the tiny manifest, cold
     marker = uuid.uuid4().hex

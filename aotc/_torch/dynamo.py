@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["dynamo_error", "free_symbol_range", "is_plain_symbol", "is_restart", "mark", "outside_trace",
-           "serializable_callable_base", "supports_shape_id", "symbol_key", "symbol_range", "symint_hint",
-           "trace_fullgraph", "traced_code"]
+__all__ = ["around_compiles", "dynamo_error", "free_symbol_range", "is_plain_symbol", "is_restart", "mark",
+           "outside_trace", "serializable_callable_base", "supports_shape_id", "symbol_key", "symbol_range",
+           "symint_hint", "trace_fullgraph", "traced_code"]
 
 
 def _dynamo() -> Any:
@@ -162,3 +162,32 @@ def symint_hint(size: Any) -> int | None:
         return _as_int(env.size_hint(node.expr))
     except Exception:  # noqa: BLE001 - unbacked: no hint
         return None
+
+
+_around: dict[tuple[Callable[[], None], Callable[[], None]], tuple[Any, Any]] = {}  # by around_compiles
+
+
+def around_compiles(start: Callable[[], None], end: Callable[[], None]) -> bool:
+    """Call ``start`` when Dynamo starts compiling a frame and ``end`` when that compile ends
+    (the backend called and returned, or the compile failed), in the compiling thread; nested
+    compiles count once; what either raises is dropped (a compile never fails for them). One
+    registration per pair, made again after ``torch._dynamo.reset()`` (which clears them): call
+    it before each compile that wants it. torch 2.11–2.13: ``torch._dynamo.callback_handler``;
+    False where torch has none."""
+    handler = getattr(_dynamo(), "callback_handler", None)
+    if handler is None or not hasattr(handler, "register_start_callback"):
+        return False
+    made = _around.get((start, end))
+    if made is not None and made[0] in getattr(handler, "start_callbacks", ()):
+        return True
+
+    def call(fn: Callable[[], None]) -> Callable[[Any], None]:
+        def callback(_args: Any) -> None:
+            with contextlib.suppress(Exception):
+                fn()
+        return callback
+
+    made = _around[(start, end)] = (call(start), call(end))
+    handler.register_start_callback(made[0])
+    handler.register_end_callback(made[1])
+    return True

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -184,9 +185,31 @@ def hash_detail_fields() -> list[str]:
 
 
 def _details() -> Any:
-    from torch._inductor.codecache import FxGraphHashDetails
+    """An ``FxGraphHashDetails`` for an empty graph, its ``system_info`` left empty: that field is
+    keyed elsewhere (the toolchain) and torch fills it with ``triton_key()``, a hash of Triton's
+    whole source tree (0.4 s in a fresh process, nothing else of a CPU compile needs it). Made by
+    a copy of the class's ``__init__`` whose ``CacheBase`` is a stand-in: nothing of torch's is
+    patched (another thread may be hashing for real). Where torch's ``__init__`` does not read
+    ``CacheBase.get_system`` so, the class itself is called."""
+    from torch._inductor import codecache
 
-    return FxGraphHashDetails(None, [], {}, [])
+    cls = codecache.FxGraphHashDetails
+    init = cls.__init__
+    code = getattr(init, "__code__", None)
+    if code is None or "CacheBase" not in code.co_names or getattr(codecache, "CacheBase", None) is None:
+        return cls(None, [], {}, [])
+
+    class _NoSystem(codecache.CacheBase):
+        @staticmethod
+        def get_system() -> Any:  # type: ignore[override]  # a stand-in: nothing is hashed
+            return {}
+
+    copied = types.FunctionType(code, {**init.__globals__, "CacheBase": _NoSystem}, init.__name__,
+                                init.__defaults__, init.__closure__)
+    copied.__kwdefaults__ = init.__kwdefaults__
+    details = cls.__new__(cls)
+    copied(details, None, [], {}, [])
+    return details
 
 
 def _canonical(value: Any, name: str) -> Any:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,10 @@ from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
 from aotc._torch.inductor_load import kernel_files as _kernel_files
 from aotc._torch.scoped_env import process_scope
 
-__all__ = ["isa_probe_files", "keep_isa_probes", "machine_isa_probe_dir", "predicted_isa",
+__all__ = ["isa_probe_files", "keep_isa_probes", "machine_isa_probe_dir", "predicted_isa", "probe_builds",
            "seed_isa_probes"]
+
+EXIT_WAIT = 600.0  # the most seconds a caller waits for the background probe builds
 
 _probe: dict[str, Any] = {}  # the ISA probe libraries of this process (see isa_probe_files)
 # the probes a compile with ``cpp.vec_isa_ok`` runs (the ISA extensions only, not every ISA)
@@ -158,9 +162,14 @@ def _isa_probe_files() -> dict[str, Path]:
             _probe["files"] = {rel: kept / rel for rel in _kernel_files(kept)}
             if _probe["files"]:
                 return _probe["files"]
-        tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
-        _probe["dir"] = tmp  # lives as long as the process
-        root = Path(tmp.name)
+        prebuilt = _probe.pop("prebuilt", None)
+        if prebuilt is not None:  # built in the background while Dynamo traced: only loaded now
+            prebuilt[1].wait(EXIT_WAIT)
+            root = prebuilt[0]
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
+            _probe["dir"] = tmp  # lives as long as the process
+            root = Path(tmp.name)
         try:
             try:
                 here = _probe_here(root)
@@ -172,8 +181,62 @@ def _isa_probe_files() -> dict[str, Path]:
         except (OSError, subprocess.SubprocessError):
             _probe["files"] = {}
         if kept is not None and _probe["files"]:
-            _keep_probes(Path(tmp.name), kept)
+            _keep_probes(root, kept)
     return _probe["files"]
+
+
+def probe_builds() -> tuple[list[tuple[list[str], Path, Path]], threading.Event] | None:
+    """The ISA probes this process has still to build, as g++ runs for a background thread to
+    make while Dynamo traces (:mod:`aotc._torch.kernel_header`): each probe taken to pass, as
+    :func:`predicted_isa` does, and its build recorded instead of run (Inductor's own command,
+    its library made under a partial name, renamed when whole): ``([(argv, partial, library)],
+    done)``. The thread sets ``done`` when it has run them (or given up); the next
+    :func:`isa_probe_files` waits for it, then probes as always, in the same directory — a probe
+    built finds its library and only loads it, one not built (a wrong guess, a killed run) is
+    built then. None when there is nothing to build (probed already, kept for this machine,
+    another torch). Writes only the probes' sources, in a directory of its own."""
+    kept = _probe.get("keep")
+    if _probe.get("files") or "prebuilt" in _probe or (kept is not None and kept.is_dir()):
+        return None
+    memos = _isa_memos()
+    if memos is None:
+        return None
+    from torch._inductor.cpp_builder import CppBuilder
+    from torch._inductor.cpu_vec_isa import VecISA, pick_vec_isa
+
+    if getattr(VecISA, "_probe_load", None) is None:  # torch 2.11.0 loads in a child: not recorded
+        return None
+    tmp = tempfile.TemporaryDirectory(prefix="aotc-isa-probe-")
+    root = Path(tmp.name)
+    recorded: list[Any] = []
+    original = CppBuilder.build
+
+    def record(self: Any) -> None:
+        recorded.append(self)
+
+    with process_scope():
+        _reset_isa_state(memos)
+        try:
+            with inductor_cache_dir(root), _config_patch({}), in_process_isa_probes():
+                VecISA._probe_load = lambda self, output_path: True  # type: ignore[method-assign]  # patched for the block: in_process_isa_probes puts it back
+                CppBuilder.build = record  # type: ignore[method-assign]  # patched for the block, put back after it
+                try:
+                    pick_vec_isa()
+                finally:
+                    CppBuilder.build = original  # type: ignore[method-assign]  # patched for the block, put back after it
+        finally:
+            _reset_isa_state(memos)
+    builds = []
+    for b in recorded:
+        line, lib = b.get_command_line(), Path(b.get_target_file_path())
+        argv = shlex.split(line)
+        if argv.count(str(lib)) != 1:
+            return None
+        partial = lib.with_name(f".{lib.name}.{os.getpid()}.partial")
+        builds.append(([str(partial) if a == str(lib) else a for a in argv], partial, lib))
+    done = threading.Event()
+    _probe["dir"], _probe["prebuilt"] = tmp, (root, done)
+    return builds, done
 
 
 def keep_isa_probes(directory: Path) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from aotc._torch import kernel_header
+
 __all__ = ["KernelBatch", "batched_builds"]
 
 _KERNEL_DEF = re.compile(r'extern\s+"C"\s+void\s+kernel\(')
@@ -233,7 +235,7 @@ def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: An
         src.write_text(text, encoding="utf-8")
         build_dir.mkdir(exist_ok=True)
         try:
-            run(command.replace("\0SRC\0", str(src)).replace("\0OUT\0", str(lib)), cwd=str(build_dir))
+            kernel_header.build(command, text, src, lib, build_dir, run)  # with aotc's header if built
         except Exception:  # noqa: BLE001 - built one by one instead (a kernel's own error shows there)
             return False
         _link_at_every_path(lib, every)

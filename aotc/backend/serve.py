@@ -86,6 +86,7 @@ class AotcBackend:
         from aotc.log import configure
         from aotc.settings import Settings
 
+        _arm()  # again after a torch._dynamo.reset(), for the next compile
         cfg = call_config(self.config, kwargs).with_env(os.environ)  # an entry point: read here
         try:  # this entry point's context: the environment, read once
             context = Context.from_env(store=cfg.store, remote=cfg.remote, trust=cfg.trust)
@@ -297,3 +298,28 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     if _DEFAULT is None:
         _DEFAULT = AotcBackend(BackendConfig())
     return _DEFAULT(gm, example_inputs, **kwargs)
+
+
+def _start_kernel_header() -> None:
+    from aotc._torch import kernel_header
+    from aotc.backend.config import DEFAULT_INDUCTOR
+
+    kernel_header.speculate(dict(DEFAULT_INDUCTOR))
+
+
+def _end_kernel_header() -> None:
+    from aotc._torch import kernel_header
+
+    kernel_header.cancel()
+
+
+# Importing this module means the process compiles with aotc's backend (torch's registry, aotc.backend(),
+# the precompile door): Dynamo's next compile starts the kernels' precompiled header on the core its
+# trace leaves idle, and its end kills what still runs (aotc._torch.kernel_header).
+def _arm() -> None:
+    from aotc._torch import dynamo
+
+    dynamo.around_compiles(_start_kernel_header, _end_kernel_header)
+
+
+_arm()

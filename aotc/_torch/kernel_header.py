@@ -1,0 +1,381 @@
+"""aotc's own precompiled header for a compile's batched C++ kernels, built on the core Dynamo's
+trace leaves idle: part of the fence around ``torch._inductor``. Written for torch 2.11–2.13,
+tested on 2.13.0 (CPU).
+
+Why. A compile's CPU kernels are built as one translation unit (:mod:`aotc._torch.kernel_batch`),
+and most of that g++ run parses the headers every Inductor kernel includes (``Python.h``,
+``cpp_prefix.h``): at the 0.5B bench model 1.3 of its 2.0 s; with a precompiled header the same
+batch builds in 0.8 s. Precompiling the header takes ~4 s (~150 MB), longer than the parse it
+saves, so the backend keeps Inductor's own header off (``aotc.backend.config.DEFAULT_INDUCTOR``):
+it is called after Dynamo's trace and would wait for it. But while Dynamo traces, a second core
+idles (the trace is one Python thread): 3.5 s at 0.5B.
+
+What. When Dynamo starts compiling in a process that resolved aotc's backend (:func:`speculate`,
+from a Dynamo start callback), on a machine without the header for the command the kernels will
+be built with (predicted: the CPU's vector ISA, the backend's options), the header's g++ run
+starts at the lowest priority (``nice 19``: it takes idle time only). When the batch is built
+(:func:`build`): the header built → included first; still building → the batch builds without
+it and, if the header ends first, once more with it: whichever build ends first is kept, the
+other killed; none → as before. The kernels are the same text either way (the header holds only
+lines the batch opens with), so the key and the artifacts do not depend on it.
+
+Where. Kept per machine beside Inductor's own headers (``$TMPDIR/torchinductor_$USER/aotc-pch``),
+by the kernel command, the header's lines and the toolchain it was parsed from (compiler, torch
+version, the ``cpp_prefix.h`` file), so a torch upgraded in place gets another; g++ itself refuses
+a header built by another compiler or with other flags and reads the text instead.
+
+Nothing outlives the compile: Dynamo's end callback (:func:`cancel`) kills what still runs — a
+header is renamed into place whole or not at all — and so does the interpreter's exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["HEAD", "build", "cancel", "header_dir", "kernel_command_template", "last_build", "speculate", "start"]
+
+SRC, OUT = "\0SRC\0", "\0OUT\0"  # a kernel command's source and library, as kernel_batch marks them
+
+# What the header holds: the lines every Inductor CPU kernel (a Python binding) opens with.
+HEAD = ("#define PY_SSIZE_T_CLEAN", "#include <Python.h>", "#include <torch/csrc/inductor/cpp_prefix.h>")
+# lines a batch may have before its ``cpp_prefix.h`` include and still take the header first
+_BEFORE_PREFIX = re.compile(r"^(#define PY_SSIZE_T_CLEAN|#include <[A-Za-z_0-9]+(\.h)?>)$")
+
+_log = logging.getLogger("aotc.kernel_header")
+_lock = threading.Lock()
+_background: set[subprocess.Popen[bytes]] = set()  # the header builds' g++ runs (killed by cancel)
+_jobs: dict[Path, _Job] = {}  # header builds this process started, by header dir
+_threads: list[threading.Thread] = []  # this module's background threads (joined by cancel)
+_state: dict[str, Any] = {}  # the predicted kernel command (speculate), computed once
+
+
+class _Job:
+    """One header build of this process: ``done`` when it ended, ``ok`` when the header is there."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir, self.done, self.ok = directory, threading.Event(), False
+
+
+def _toolchain() -> list[Any]:
+    import torch
+
+    def stat(path: str | None) -> list[Any]:
+        try:
+            s = os.stat(path) if path else None
+        except OSError:
+            s = None
+        return [path, s.st_size, s.st_mtime_ns] if s else [path]
+
+    prefix = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "inductor", "cpp_prefix.h")
+    cxx = os.environ.get("CXX", "g++")
+    return [torch.__version__, stat(prefix), cxx, stat(shutil.which(cxx))]
+
+
+def header_dir(template: str) -> Path:
+    """Where this machine keeps the header for kernels built by ``template`` (module doc)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    digest = hashlib.sha256(json.dumps([template, HEAD, _toolchain()]).encode()).hexdigest()
+    return Path(default_cache_dir()) / "aotc-pch" / digest[:32]
+
+
+def _header_argv(template: str, head: Path, out: Path) -> list[str] | None:
+    """The kernel command made to precompile ``head`` into ``out``: the source is the header (as
+    C++), nothing is linked; every compile flag as the kernels have it (g++ checks them)."""
+    tokens = shlex.split(template)
+    if tokens.count(SRC) != 1 or tokens.count(OUT) != 1:
+        return None
+    argv: list[str] = []
+    for t in tokens:
+        if t == SRC:
+            argv += ["-x", "c++-header", str(head)]
+        elif t == OUT:
+            argv.append(str(out))
+        elif t != "-shared" and not t.startswith(("-l", "-L")):
+            argv.append(t)
+    return argv
+
+
+def _popen(argv: list[str], cwd: Path, background: bool) -> subprocess.Popen[bytes] | None:
+    """Start ``argv`` in a session of its own (killed with its children); a ``background`` run
+    (a header build) at the lowest priority, tracked for :func:`cancel`, and not after it."""
+    nice = shutil.which("nice") if background else None
+    with _lock:
+        if background and _state.get("cancelled"):
+            return None
+        p = subprocess.Popen([nice, "-n", "19", *argv] if nice else argv, cwd=cwd, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        if background:
+            _background.add(p)
+    return p
+
+
+def _reap(p: subprocess.Popen[bytes]) -> int:
+    try:
+        return p.wait()
+    finally:
+        with _lock:
+            _background.discard(p)
+
+
+def _kill(p: subprocess.Popen[bytes]) -> None:
+    """End a run and what it started: TERM first (the g++ driver then removes its temporary
+    files), KILL a second later."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(OSError):
+            os.killpg(p.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(1.0)
+            break
+    _reap(p)
+
+
+Before = Sequence[tuple[list[str], Path, Path]]  # g++ runs to make first: (argv, partial file, final file)
+
+
+def _run_before(before: Before, done: threading.Event | None) -> None:
+    """The runs the header's thread makes first (the ISA probes'), each renamed into place when
+    whole; ``done`` set after them, however they end."""
+    try:
+        for argv, partial, final in before:
+            p = _popen(argv, final.parent, background=True)
+            if p is None:
+                return
+            try:
+                if _reap(p) == 0 and partial.is_file():
+                    os.replace(partial, final)
+            finally:
+                partial.unlink(missing_ok=True)
+    except OSError:
+        return
+    finally:
+        if done is not None:
+            done.set()
+
+
+def _build_header(job: _Job, template: str, before: Before, before_done: threading.Event | None) -> None:
+    _run_before(before, before_done)
+    partial = job.dir / f"head.h.gch.{os.getpid()}.partial"
+    try:
+        job.dir.mkdir(parents=True, exist_ok=True)
+        with open(job.dir / ".lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return  # another process builds it: this one builds its kernels without
+            head = job.dir / "head.h"
+            if not (job.dir / "head.h.gch").is_file():
+                tmp = head.with_name(f"head.h.{os.getpid()}.tmp")
+                tmp.write_text("\n".join(HEAD) + "\n", encoding="utf-8")
+                os.replace(tmp, head)
+                argv = _header_argv(template, head, partial)
+                t = time.perf_counter()
+                p = _popen(argv, job.dir, background=True) if argv else None
+                if p is None or _reap(p) != 0 or not partial.is_file():
+                    return
+                os.replace(partial, job.dir / "head.h.gch")
+                _log.debug("aotc: kernels' precompiled header built in %.2fs (%s)", time.perf_counter() - t, job.dir)
+            job.ok = True
+    except OSError:
+        return
+    finally:
+        partial.unlink(missing_ok=True)
+        job.done.set()
+
+
+def start(template: str | None, before: Before = (), before_done: threading.Event | None = None) -> _Job | None:
+    """Start one background thread: the g++ runs ``before`` (then ``before_done`` is set), then
+    the header for kernels built by ``template`` unless it is built or being built (one build
+    per header in a process). The header's job (this one's or the one already running), or None
+    when the header is built."""
+    directory = header_dir(template) if template is not None else None
+    job = running = None
+    with _lock:
+        _state["cancelled"] = False
+        if directory is not None and not (directory / "head.h.gch").is_file():
+            running = _jobs.get(directory)
+            if running is None or running.done.is_set():
+                job = _jobs[directory] = _Job(directory)
+    if job is None and not before:
+        return running
+
+    def work() -> None:
+        if job is None:
+            _run_before(list(before), before_done)
+        else:
+            _build_header(job, template or "", list(before), before_done)
+
+    thread = threading.Thread(target=work, name="aotc-kernel-header", daemon=True)
+    with _lock:
+        _threads.append(thread)
+    thread.start()
+    return job or running
+
+
+def cancel() -> None:
+    """Kill every g++ run of this module and wait for its threads (the end of the compile that
+    started them; the interpreter's exit)."""
+    with _lock:
+        _state["cancelled"] = True
+        procs, threads = list(_background), list(_threads)
+    for p in procs:
+        _kill(p)
+    for thread in threads:
+        thread.join()
+    with _lock:
+        _threads[:] = [t for t in _threads if t.is_alive()]
+
+
+atexit.register(cancel)
+
+
+def kernel_command_template(vec_isa: Any, options: dict[str, Any]) -> str | None:
+    """The command Inductor builds a CPU kernel (a Python binding that needs the vector ISA) with,
+    under aotc's compile config and ``options``, its source and library marked (``SRC``, ``OUT``)
+    as :mod:`~aotc._torch.kernel_batch` marks them; None on another torch layout."""
+    from torch._inductor import codecache, config
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+
+    from aotc._torch.inductor_facts import _config_patch
+
+    cls = getattr(codecache, "CppPythonBindingsCodeCache", None)
+    if cls is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="aotc-kernel-cmd-") as tmp, _config_patch(options):
+        command = {**cls.cpp_compile_command_flags, "device_type": "cpu", "extra_flags": (),
+                   "use_relative_path": config.is_fbcode(), "vec_isa": vec_isa}
+        src = os.path.join(tmp, "caotckernel.main.cpp")
+        builder = CppBuilder(name="caotckernel.main", sources=src, output_dir=tmp,
+                             BuildOption=CppTorchDeviceOptions(compile_only=False, min_optimize=False, **command))
+        line, out = builder.get_command_line(), builder.get_target_file_path()
+    if line.count(src) != 1 or line.count(out) != 1:
+        return None
+    return line.replace(src, SRC).replace(out, OUT)
+
+
+def speculate(options: dict[str, Any]) -> None:
+    """Start the ISA probes' builds and the header's (module doc) on a machine that lacks them,
+    once per process: the kernel command predicted from the CPU's flags and ``options`` (the
+    backend's Inductor options). Never on a machine with CUDA. Best effort: anything
+    unexpected, nothing starts."""
+    if "template" in _state:
+        return
+    _state["template"] = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        from aotc._torch.isa_probes import predicted_isa, probe_builds
+
+        isa = predicted_isa()
+        template = kernel_command_template(isa, options) if isa is not None else None
+        _state["template"] = template
+        probes = probe_builds()
+        if template is not None or probes is not None:
+            before, done = probes if probes is not None else ([], None)
+            start(template, before, done)
+    except Exception:  # noqa: BLE001 - a speculation: the probes and kernels build as before
+        return
+
+
+def _usable(text: str) -> bool:
+    """Whether the batch ``text`` opens with the header's lines, nothing before its
+    ``cpp_prefix.h`` but those and standard headers (so the header, parsed first, means what
+    the text means)."""
+    lines = text.splitlines()
+    if HEAD[2] not in lines or not all(h in lines for h in HEAD):
+        return False
+    return all(_BEFORE_PREFIX.match(line) for line in lines[:lines.index(HEAD[2])])
+
+
+def build(template: str, text: str, src: Path, lib: Path, cwd: Path, run: Callable[..., None]) -> None:
+    """Build the batch ``text`` (written at ``src``) into ``lib`` by ``template`` (``run`` is
+    Inductor's ``run_compile_cmd``); with the header where it is built or being built (module
+    doc). Raises as ``run`` does when the batch does not build."""
+    plain = template.replace(SRC, str(src)).replace(OUT, str(lib))
+    directory = header_dir(template) if _usable(text) else None
+    job = _jobs.get(directory) if directory is not None else None
+    ready = directory is not None and (directory / "head.h.gch").is_file()
+    if not ready and (job is None or job.done.is_set()):
+        _state["last"] = "plain"
+        run(plain, cwd=str(cwd))
+        return
+    assert directory is not None
+    with_src, with_lib = src.with_name(f"{src.stem}.pch.cpp"), lib.with_name(f"{lib.stem}.pch.so")
+    with_cmd = template.replace(SRC, str(with_src)).replace(OUT, str(with_lib))
+    try:
+        with_src.write_text(f'#include "{directory / "head.h"}"\n' + text, encoding="utf-8")
+        if ready:
+            _state["last"] = "header"
+            try:
+                run(with_cmd, cwd=str(cwd))
+            except Exception:  # noqa: BLE001 - built without the header instead
+                _state["last"] = "plain"
+                run(plain, cwd=str(cwd))
+                return
+            os.replace(with_lib, lib)
+            return
+        assert job is not None
+        t = time.perf_counter()
+        _race(plain, with_cmd, job, cwd, lambda: os.replace(with_lib, lib))
+        _log.debug("aotc: kernel batch %s in %.2fs", _state.get("last"), time.perf_counter() - t)
+    finally:
+        with_src.unlink(missing_ok=True)
+        with_lib.unlink(missing_ok=True)
+
+
+def last_build() -> str | None:
+    """How this process's last kernel batch was built: ``header``, ``plain``, ``raced: with the
+    header`` or ``raced: without the header`` (tests, logs)."""
+    return _state.get("last")
+
+
+def _race(plain: str, with_cmd: str, job: _Job, cwd: Path, keep_with: Callable[[], None]) -> None:
+    """The batch built without the header and, once the header is built, with it: the first
+    build to succeed is kept, the other killed. Raises when neither builds."""
+    mine = _popen(shlex.split(plain), cwd, background=False)
+    assert mine is not None  # a foreground run always starts
+    other: subprocess.Popen[bytes] | None = None
+    tried = False  # the build with the header: started once at most
+    try:
+        while True:
+            code = mine.poll()
+            if code == 0:
+                _state["last"] = "raced: without the header"
+                return
+            if not tried and job.done.is_set():
+                tried = True
+                other = _popen(shlex.split(with_cmd), cwd, background=False) if job.ok else None
+            if other is not None and other.poll() is not None:
+                if other.returncode == 0:
+                    _state["last"] = "raced: with the header"
+                    keep_with()
+                    return
+                other = None
+            if code is not None and tried and other is None:
+                raise subprocess.CalledProcessError(code, plain)
+            time.sleep(0.01)
+    finally:
+        for p in (mine, other):
+            if p is not None and p.poll() is None:
+                _kill(p)
+            elif p is not None:
+                _reap(p)

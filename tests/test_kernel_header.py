@@ -1,0 +1,179 @@
+"""aotc's precompiled header for the batched kernels, and the ISA probes built beside it while
+Dynamo traces (aotc._torch.kernel_header, isa_probes.probe_builds): real g++ runs, real compiles.
+
+The header is a cost moved onto an idle core; what must hold: a batch built with it (or racing
+it) serves the same numbers, the key does not depend on it, nothing of it outlives the compile,
+and the probes built ahead are the very libraries Inductor's own probe would build.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from aotc._torch import isa_probes, kernel_header
+from aotc._torch.kernel_header import HEAD, OUT, SRC
+
+TEMPLATE = (f"g++ {SRC} -D X -O3 -march=native -shared -fPIC -Wall -std=c++20 -I/inc "
+            f"-o {OUT} -ltorch -lgomp -L/lib")
+
+
+def test_the_header_is_built_by_the_kernels_command_as_a_header_and_nothing_linked() -> None:
+    argv = kernel_header._header_argv(TEMPLATE, Path("/d/head.h"), Path("/d/head.h.gch"))
+    assert argv == ["g++", "-x", "c++-header", "/d/head.h", "-D", "X", "-O3", "-march=native", "-fPIC", "-Wall",
+                    "-std=c++20", "-I/inc", "-o", "/d/head.h.gch"]
+    assert kernel_header._header_argv(TEMPLATE.replace(SRC, "a.cpp"), Path("h"), Path("o")) is None
+
+
+def test_a_batch_takes_the_header_only_when_nothing_before_its_prefix_could_change_it() -> None:
+    body = ["namespace aotc_k0 {", "}"]
+    assert kernel_header._usable("\n".join([HEAD[0], HEAD[1], "#include <cstring>", HEAD[2], "#include <sstream>",
+                                            *body]))
+    assert not kernel_header._usable("\n".join([HEAD[0], HEAD[1], *body]))  # no cpp_prefix.h
+    assert not kernel_header._usable("\n".join([HEAD[0], "#define likely(x) x", HEAD[1], HEAD[2], *body]))
+    assert not kernel_header._usable("\n".join([HEAD[0], HEAD[2], *body]))  # no Python.h
+
+
+@pytest.fixture
+def machine_tmp(tmp_path, monkeypatch):
+    """A machine of its own: tempfile's dir (where aotc keeps headers and probes) and g++'s."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    yield tmp_path
+    kernel_header.cancel()
+
+
+def _template() -> str:
+    from aotc.backend.config import DEFAULT_INDUCTOR
+
+    template = kernel_header.kernel_command_template(isa_probes.predicted_isa(), dict(DEFAULT_INDUCTOR))
+    assert template is not None and SRC in template and OUT in template
+    return template
+
+
+@pytest.mark.slow
+def test_a_cancelled_build_leaves_no_process_and_no_file(machine_tmp) -> None:
+    template = _template()
+    job = kernel_header.start(template)
+    assert job is not None
+    while not kernel_header._background and not job.done.is_set():
+        job.done.wait(0.01)
+    running = list(kernel_header._background)
+    kernel_header.cancel()
+    assert job.done.is_set() and not job.ok
+    assert all(p.returncode is not None for p in running) and not kernel_header._background
+    assert not (job.dir / "head.h.gch").exists()
+    assert [p.name for p in job.dir.iterdir()] and not [p for p in job.dir.iterdir() if "partial" in p.name]
+    assert not [p for p in machine_tmp.iterdir() if p.is_file()], "g++'s temporary files were left behind"
+
+
+def _compile_tiny(tmp: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny attention model through the backend, cold, in its own store: (got, want)."""
+    import torch.nn.functional as F
+
+    import aotc
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(torch.tanh(x) * 2).view(1, -1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.relu(self.out(y.transpose(1, 2).reshape(1, -1, 16))).sigmoid() + x
+
+    torch.manual_seed(0)
+    model, x = Attn().eval(), torch.randn(1, 5, 16)
+    backend = aotc.backend(store=str(tmp / "store"), fallback="error")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+        want = model(x)
+    torch._dynamo.reset()
+    return got, want
+
+
+@pytest.mark.slow
+def test_kernels_built_with_the_header_or_racing_it_serve_the_same_numbers(machine_tmp, monkeypatch) -> None:
+    template = _template()
+    # racing: the header's build just started when the batch is built
+    kernel_header.start(template)
+    got, want = _compile_tiny(machine_tmp / "race")
+    assert kernel_header.last_build() in ("raced: with the header", "raced: without the header")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # built: the batch includes it first
+    job = kernel_header.start(template)  # None: built already (it won the race)
+    if job is not None:
+        job.done.wait(600)
+        assert job.ok, "the header did not build"
+    assert (kernel_header.header_dir(template) / "head.h.gch").is_file()
+    got, want = _compile_tiny(machine_tmp / "built")
+    assert kernel_header.last_build() == "header"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the header is used: g++ says so (-H marks a precompiled header it loads with "!")
+    head = kernel_header.header_dir(template) / "head.h"
+    src = machine_tmp / "k.cpp"
+    src.write_text(f'#include "{head}"\n' + "\n".join(HEAD) + '\nextern "C" int k() { return 1; }\n')
+    cmd = template.replace(SRC, str(src)).replace(OUT, str(machine_tmp / "k.so"))
+    res = subprocess.run([*shlex.split(cmd), "-H"], capture_output=True, text=True, cwd=machine_tmp)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"! {head}.gch" in res.stderr, "g++ parsed the header's text instead of loading it"
+
+
+@pytest.mark.slow
+def test_probes_built_ahead_are_the_libraries_inductors_own_probe_builds(machine_tmp, monkeypatch) -> None:
+    # Inductor's own probe, in a directory of its own
+    own = machine_tmp / "own"
+    assert isa_probes._probe_here(own)
+    theirs = sorted(p.relative_to(own).as_posix() for p in own.rglob("*.so"))
+    assert theirs, "Inductor's probe built nothing here"
+    # ahead: recorded, built by the background thread, then only loaded
+    monkeypatch.setattr(isa_probes, "_probe", {})
+    made = isa_probes.probe_builds()
+    assert made is not None
+    builds, done = made
+    kernel_header.start(None, builds, done)
+    assert done.wait(600)
+    from torch._inductor.cpp_builder import CppBuilder
+
+    ran: list[object] = []
+    original = CppBuilder.build
+    monkeypatch.setattr(CppBuilder, "build", lambda self: ran.append(self) or original(self))
+    files = isa_probes.isa_probe_files()
+    assert ran == [], "the probe compiled although its libraries were built ahead"
+    assert sorted(files) == theirs
+    assert isa_probes.probe_builds() is None  # probed: nothing more to build
+
+
+def test_dynamo_calls_around_each_compile_and_again_after_a_reset() -> None:
+    from aotc._torch import dynamo
+
+    calls: list[str] = []
+
+    def start() -> None:
+        calls.append("start")
+
+    def end() -> None:
+        calls.append("end")
+        raise RuntimeError("dropped: a compile never fails for it")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) + 1
+
+    try:
+        assert dynamo.around_compiles(start, end) and dynamo.around_compiles(start, end)  # registered once
+        torch._dynamo.reset()  # clears torch's callbacks: registered again below
+        assert dynamo.around_compiles(start, end)
+        torch.compile(f, backend="eager")(torch.randn(3))
+        assert calls == ["start", "end"]
+    finally:
+        handler = torch._dynamo.callback_handler
+        made = dynamo._around.pop((start, end))
+        handler.remove_start_callback(made[0])
+        handler.remove_end_callback(made[1])
