@@ -182,18 +182,18 @@ def test_the_memo_keeps_what_a_fresh_process_reads_whatever_this_one_changed(tmp
 
 
 def test_the_field_list_is_read_without_hashing_tritons_source() -> None:
-    # the details aotc reads its field list from equal torch's own but for system_info, which
-    # aotc keys in the toolchain group, and torch's get_system (triton_key) is never called
+    # on a machine without CUDA torch hashes Triton's source for system_info and then drops it:
+    # aotc's details (and its pieces' dedup keys) get torch's very value without that hash
     from torch._inductor.codecache import CacheBase, FxGraphHashDetails
 
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the Triton hash is kept: torch's own get_system runs")
     before = CacheBase.get_system.cache_info()
     mine = gf._details()
     after = CacheBase.get_system.cache_info()
     assert (after.hits, after.misses) == (before.hits, before.misses), "torch's get_system was called"
+    assert hasattr(CacheBase.get_system, "cache_info"), "torch's CacheBase was left patched"
     theirs = FxGraphHashDetails(None, [], {}, [])
     assert sorted(vars(mine)) == sorted(vars(theirs))
-    assert mine.system_info == {} and "system_info" in gf.KEYED_ELSEWHERE
     for name in vars(theirs):
-        if name != "system_info":
-            assert repr(getattr(mine, name)) == repr(getattr(theirs, name)), name
-    assert hasattr(CacheBase.get_system, "cache_info"), "torch's CacheBase was changed"
+        assert repr(getattr(mine, name)) == repr(getattr(theirs, name)), name

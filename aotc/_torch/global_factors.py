@@ -28,15 +28,17 @@ Tested on torch 2.13 (CPU); written for 2.11–2.13 (fields feature-checked).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["DENIED", "EXTRA_READERS", "KEYED_ELSEWHERE", "READERS", "global_factors", "hash_detail_fields"]
+__all__ = ["DENIED", "EXTRA_READERS", "KEYED_ELSEWHERE", "READERS", "cpu_system_info", "global_factors",
+           "hash_detail_fields"]
 
 _GRAPH = "the graph itself: aotc's graph key (backend) or the manifest and traced code (manifest)"
 _INDUCTOR = "Inductor's settings: the key's inductor.values (aotc._torch.inductor_facts.config_values)"
@@ -185,31 +187,62 @@ def hash_detail_fields() -> list[str]:
 
 
 def _details() -> Any:
-    """An ``FxGraphHashDetails`` for an empty graph, its ``system_info`` left empty: that field is
-    keyed elsewhere (the toolchain) and torch fills it with ``triton_key()``, a hash of Triton's
-    whole source tree (0.4 s in a fresh process, nothing else of a CPU compile needs it). Made by
-    a copy of the class's ``__init__`` whose ``CacheBase`` is a stand-in: nothing of torch's is
-    patched (another thread may be hashing for real). Where torch's ``__init__`` does not read
-    ``CacheBase.get_system`` so, the class itself is called."""
+    """An ``FxGraphHashDetails`` for an empty graph (its ``system_info`` as torch computes it, but
+    without hashing Triton's source where that hash is thrown away: :func:`cpu_system_info`)."""
+    from torch._inductor.codecache import FxGraphHashDetails
+
+    with cpu_system_info():
+        return FxGraphHashDetails(None, [], {}, [])
+
+
+def _system_info_without_triton() -> Any:
+    """What torch's ``CacheBase.get_system()`` returns on a machine without CUDA, computed by a
+    copy of torch's own function whose ``triton_key`` is a stand-in: there the device query
+    fails and torch drops the Triton hash it made (``triton_key()``: Triton's whole source and
+    its 500 MB library hashed, 0.35 s in a fresh process). None where CUDA is available (the
+    hash is kept there) or torch's function is laid out otherwise (torch 2.11 imports
+    ``triton_key`` inside it)."""
+    if torch.cuda.is_available():
+        return None
     from torch._inductor import codecache
 
-    cls = codecache.FxGraphHashDetails
-    init = cls.__init__
-    code = getattr(init, "__code__", None)
-    if code is None or "CacheBase" not in code.co_names or getattr(codecache, "CacheBase", None) is None:
-        return cls(None, [], {}, [])
+    fn = getattr(getattr(codecache, "CacheBase", None), "get_system", None)
+    original: Any = getattr(fn, "__wrapped__", None)
+    code = getattr(original, "__code__", None)
+    if code is None or "triton_key" not in code.co_names or "triton_key" in code.co_varnames:
+        return None
+    copied = types.FunctionType(code, {**original.__globals__, "triton_key": lambda: None}, original.__name__,
+                                original.__defaults__, original.__closure__)
+    return copied()
 
-    class _NoSystem(codecache.CacheBase):
-        @staticmethod
-        def get_system() -> Any:  # type: ignore[override]  # a stand-in: nothing is hashed
-            return {}
 
-    copied = types.FunctionType(code, {**init.__globals__, "CacheBase": _NoSystem}, init.__name__,
-                                init.__defaults__, init.__closure__)
-    copied.__kwdefaults__ = init.__kwdefaults__
-    details = cls.__new__(cls)
-    copied(details, None, [], {}, [])
-    return details
+_SYSTEM: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def cpu_system_info() -> Iterator[None]:
+    """While in the block, torch's ``CacheBase.get_system()`` answers with
+    :func:`_system_info_without_triton` — the very value torch computes on this machine, without
+    hashing Triton — where that applies; torch's own elsewhere. Its cache is untouched, and
+    another thread asking meanwhile gets the same value. Holds the process scope (a patched
+    torch class)."""
+    from aotc._torch.scoped_env import process_scope
+
+    if "value" not in _SYSTEM:
+        _SYSTEM["value"] = _system_info_without_triton()
+    value = _SYSTEM["value"]
+    if value is None:
+        yield
+        return
+    from torch._inductor.codecache import CacheBase
+
+    with process_scope():
+        original = CacheBase.__dict__["get_system"]
+        CacheBase.get_system = staticmethod(lambda: value)  # type: ignore[method-assign,assignment]  # patched for the block, put back after it
+        try:
+            yield
+        finally:
+            CacheBase.get_system = original  # type: ignore[method-assign]  # patched for the block, put back after it
 
 
 def _canonical(value: Any, name: str) -> Any:

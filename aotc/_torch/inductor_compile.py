@@ -28,6 +28,7 @@ import torch.fx
 
 from aotc._torch import kernel_batch, kernel_checks, kernel_pool, training_path, wrapper
 from aotc._torch.dynamo import is_restart
+from aotc._torch.global_factors import cpu_system_info
 from aotc._torch.inductor_facts import _config_patch
 from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
 from aotc._torch.inductor_load import kernel_files as _kernel_files
@@ -185,7 +186,7 @@ def piece_cache_key(
         from torch._inductor.codecache import BypassFxGraphCache
         mode = "from_graph" if dynamic else "from_example_inputs"
         try:
-            with _grad_mode(gm), _config_patch(options):
+            with _grad_mode(gm), _config_patch(options), cpu_system_info():  # no Triton hash on a CPU host
                 key = fn(gm, inputs, mode)
             key = key[0] if isinstance(key, tuple) else key
             return f"{key}:{_options_digest(options)}" if options else str(key)

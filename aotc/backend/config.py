@@ -46,6 +46,8 @@ LATE_ENV = {"TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "cpp.dynamic_threads"}
 # instead of 9.8-10.4 s; on a machine that has the header it costs the toy ~0.7 s (5.6 vs 5.0 s)
 # and the 0.5B model nothing measurable (one batched translation unit per compile parses the
 # headers once). A fixed choice, not one made by whether the header exists here: it is in the key.
+# The batch of a backend compile's kernels gets aotc's own header instead, built while Dynamo
+# traces and used only if ready in time (aotc._torch.kernel_header; docs/backend.md).
 DEFAULT_INDUCTOR: dict[str, Any] = {"cpp_cache_precompile_headers": False}
 
 
