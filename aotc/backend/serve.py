@@ -19,10 +19,12 @@ per graph, one WARNING line per fallback or failed push.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aotc.backend.config import DEFAULT_SPLITTING_OPS, BackendConfig
@@ -71,6 +73,8 @@ class AotcBackend:
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
+        if isinstance(config.store, (str, os.PathLike)) and "://" not in str(config.store):
+            _STORES.add(str(config.store))
         self.last: dict[str, Any] = {}  # what the last call did (key, hit, seconds): for tests and logs
 
     def __repr__(self) -> str:
@@ -300,17 +304,45 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     return _DEFAULT(gm, example_inputs, **kwargs)
 
 
+_STORES: set[str] = set()  # the local stores the backends made in this process name (aotc.backend(store=…))
+
+
+def _served_here_before() -> bool:
+    """Whether a local store this process's backends use has served this machine's toolchain
+    before (its toolchain memo is there): the next compile is then most likely a hit — a warm
+    start runs no compiler, not even ahead of time."""
+    from aotc.lookup.toolchain import fingerprint
+    from aotc.settings import Settings
+
+    roots = {Settings.from_env().default_store_path(), *(Path(s).expanduser() for s in _STORES)}
+    memo = f"{fingerprint('cpu')}.json"
+    return any((root / "store-v1" / "toolchain" / memo).is_file() for root in roots)
+
+
 def _start_kernel_header() -> None:
     from aotc._torch import kernel_header
     from aotc.backend.config import DEFAULT_INDUCTOR
 
-    kernel_header.speculate(dict(DEFAULT_INDUCTOR))
+    if not _served_here_before():  # a cold store: the compile that starts now most likely misses
+        kernel_header.speculate(dict(DEFAULT_INDUCTOR))
 
 
 def _end_kernel_header() -> None:
     from aotc._torch import kernel_header
 
     kernel_header.cancel()
+
+
+@contextlib.contextmanager
+def kernel_header_window() -> Iterator[None]:
+    """Around a compile Dynamo's callbacks do not announce (the precompile door's AOT capture):
+    the kernels' header and the ISA probes started before it, what still runs killed after it
+    (:mod:`aotc._torch.kernel_header`)."""
+    _start_kernel_header()
+    try:
+        yield
+    finally:
+        _end_kernel_header()
 
 
 # Importing this module means the process compiles with aotc's backend (torch's registry, aotc.backend(),

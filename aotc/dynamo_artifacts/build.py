@@ -55,7 +55,7 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     :func:`aotc.backend` arguments (``compile_sizes``, ``inductor``, …). Raises
     ``PrecompileError`` for a graph break or a graph aotc cannot serve — it never falls back:
     what it stores must be aotc's."""
-    from aotc.backend.serve import backend
+    from aotc.backend.serve import backend, kernel_header_window
     from aotc.context import Context
     from aotc.dynamo_artifacts.callable import Precompiled, traced_path
     from aotc.dynamo_artifacts.key import (
@@ -96,7 +96,9 @@ def precompile(target: Callable[..., Any], example_inputs: Sequence[Any], *, nam
     backend_kwargs = {"store": store, "remote": remote, "trust": trust, "name": name, **backend_options}
     be = backend(**{**backend_kwargs, "fallback": "error"})
     t0 = time.perf_counter()
-    functions = [_capture(target, identity, i, args, kwargs, be, dynamic) for i, (args, kwargs) in enumerate(inputs)]
+    with kernel_header_window():  # its C++ work on the core the capture leaves idle
+        functions = [_capture(target, identity, i, args, kwargs, be, dynamic)
+                     for i, (args, kwargs) in enumerate(inputs)]
     graphs = [dyn.compiled_backend(fn).key for fn in functions]
     modules = {module}.union(*(dyn.source_modules(fn) for fn in functions))
     try:
