@@ -185,16 +185,17 @@ def test_nothing_is_speculated_for_a_store_that_served_this_toolchain(tmp_path, 
     # a warm start runs no compiler, not even ahead: a store with this toolchain's memo skips it
     from aotc.backend import serve
     from aotc.lookup.toolchain import fingerprint
+    from aotc.settings import Settings
 
     monkeypatch.setenv("AOTC_STORE", str(tmp_path / "store"))
     monkeypatch.setattr(serve, "_STORES", set())
-    assert not serve._served_here_before()
+    assert not serve._served_here_before(Settings.from_env())
     memo = tmp_path / "store" / "store-v1" / "toolchain" / f"{fingerprint('cpu')}.json"
     memo.parent.mkdir(parents=True)
     memo.write_text("{}")
-    assert serve._served_here_before()
+    assert serve._served_here_before(Settings.from_env())
     # a backend's own store counts too
     monkeypatch.setenv("AOTC_STORE", str(tmp_path / "other"))
-    assert not serve._served_here_before()
+    assert not serve._served_here_before(Settings.from_env())
     serve.backend(store=str(tmp_path / "store"))
-    assert serve._served_here_before()
+    assert serve._served_here_before(Settings.from_env())

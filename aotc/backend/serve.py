@@ -307,23 +307,26 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
 _STORES: set[str] = set()  # the local stores the backends made in this process name (aotc.backend(store=…))
 
 
-def _served_here_before() -> bool:
-    """Whether a local store this process's backends use has served this machine's toolchain
-    before (its toolchain memo is there): the next compile is then most likely a hit — a warm
-    start runs no compiler, not even ahead of time."""
+def _served_here_before(settings: Any) -> bool:
+    """Whether a local store this process's backends use (``settings``' default, the ones
+    ``aotc.backend(store=…)`` named) has served this machine's toolchain before (its toolchain
+    memo is there): the next compile is then most likely a hit — a warm start runs no compiler,
+    not even ahead of time."""
     from aotc.lookup.toolchain import fingerprint
-    from aotc.settings import Settings
 
-    roots = {Settings.from_env().default_store_path(), *(Path(s).expanduser() for s in _STORES)}
+    roots = {settings.default_store_path(), *(Path(s).expanduser() for s in _STORES)}
     memo = f"{fingerprint('cpu')}.json"
     return any((root / "store-v1" / "toolchain" / memo).is_file() for root in roots)
 
 
 def _start_kernel_header() -> None:
+    """Dynamo's start callback (an entry point: torch calls it): the kernels' header and the ISA
+    probes started ahead, for a store that has not served this toolchain."""
     from aotc._torch import kernel_header
     from aotc.backend.config import DEFAULT_INDUCTOR
+    from aotc.settings import Settings
 
-    if not _served_here_before():  # a cold store: the compile that starts now most likely misses
+    if not _served_here_before(Settings.from_env()):  # a cold store: this compile most likely misses
         kernel_header.speculate(dict(DEFAULT_INDUCTOR))
 
 
