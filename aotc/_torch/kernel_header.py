@@ -270,15 +270,17 @@ def kernel_command_template(vec_isa: Any, options: dict[str, Any]) -> str | None
     return line.replace(src, SRC).replace(out, OUT)
 
 
-def speculate(options: dict[str, Any]) -> None:
+def speculate(options: dict[str, Any], wanted: Callable[[], bool] = lambda: True) -> None:
     """Start the ISA probes' builds and the header's (module doc) on a machine that lacks them,
-    once per process: the kernel command predicted from the CPU's flags and ``options`` (the
-    backend's Inductor options). Never on a machine with CUDA. Best effort: anything
-    unexpected, nothing starts."""
+    decided once per process (``wanted`` is asked then, and only then): the kernel command
+    predicted from the CPU's flags and ``options`` (the backend's Inductor options). Never on a
+    machine with CUDA. Best effort: anything unexpected, nothing starts."""
     if "template" in _state:
         return
     _state["template"] = None
     try:
+        if not wanted():
+            return
         import torch
 
         if torch.cuda.is_available():

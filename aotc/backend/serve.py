@@ -326,8 +326,8 @@ def _start_kernel_header() -> None:
     from aotc.backend.config import DEFAULT_INDUCTOR
     from aotc.settings import Settings
 
-    if not _served_here_before(Settings.from_env()):  # a cold store: this compile most likely misses
-        kernel_header.speculate(dict(DEFAULT_INDUCTOR))
+    # decided at the first compile of the process: a cold store, that compile most likely misses
+    kernel_header.speculate(dict(DEFAULT_INDUCTOR), lambda: not _served_here_before(Settings.from_env()))
 
 
 def _end_kernel_header() -> None:
