@@ -189,3 +189,84 @@ def test_transformers_layers_one_body_per_kind(kind, bodies):
     captured, report = repeated.capture_repeated(wrapped, [ids], [1], params_of=wrapped)
     assert (report.calls, report.bodies, report.fallback) == (6, bodies, ""), report
     assert _same_as_eager(captured, wrapped, [ids]) == 0.0
+
+
+@reuses
+def test_later_layers_are_stamped_out_unseen_by_dynamo():
+    """Two layers of a kind are traced (the body and Dynamo's reuse of it); the rest are one
+    ``layer_call`` node each at trace time, replaced by the body given their own weights, fed by
+    name like every other weight: the graph is the plain trace's, op for op (the numbers equal
+    eager's exactly)."""
+    model, inputs = _toy(6)
+    captured, report = repeated.capture_repeated(model, inputs, [0, 0])
+    assert (report.calls, report.bodies, report.stamped, report.fallback) == (6, 1, 4, ""), report
+    assert "4 of them stamped out" in report.line()
+    plain = capture(model, inputs, [0, 0])
+
+    def ops(gm):  # (a region's body reads a size by indexing ``size()``: its getitems left out)
+        return sorted(str(n.target) for n in gm.graph.nodes
+                      if n.op == "call_function" and "getitem" not in str(n.target))
+
+    assert ops(captured.gm) == ops(plain.gm)
+    assert {s.fqn for s in captured.arg_spec} == {s.fqn for s in plain.arg_spec}
+    assert _same_as_eager(captured, model, inputs) == 0.0
+    assert not any("layer_calls" in path for path, _ in captured.source_files)
+    assert any(path.endswith("toy_llama.py") for path, _ in captured.source_files)
+    assert not any("_aotc_layer" in vars(m) for m in model.modules())  # the roles undone
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class _Net(torch.nn.Module):
+    """Four alike layers; ``odd`` calls the last with an input of another shape."""
+
+    def __init__(self, odd: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Scale() for _ in range(4))
+        self.odd = odd
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x.unsqueeze(0) if self.odd and i == 3 else x)
+        return x
+
+
+@reuses
+def test_a_layer_called_otherwise_is_not_stamped_out():
+    inputs = [torch.randn(5, 4)]
+    _, same = repeated.capture_repeated(_Net(False), inputs, [0])
+    assert (same.calls, same.stamped) == (4, 2), same
+    model = _Net(True)
+    captured, report = repeated.capture_repeated(model, inputs, [0])
+    assert "called with other arguments" in report.fallback, report
+    assert _same_as_eager(captured, model, inputs) == 0.0
+
+
+@reuses
+def test_a_layer_with_side_effects_is_not_stamped_out():
+    """A forward that keeps a tensor on its module, which the model reads after the loop: Dynamo
+    does not reuse such a body (a side effect), so aotc stamps nothing out (a stamped layer would
+    not have stored it) and the graph is the plain trace's."""
+
+    class Storing(_Scale):
+        def forward(self, x):
+            self.last = x * self.w
+            return self.last
+
+    class Reading(_Net):
+        def forward(self, x):
+            return super().forward(x) + self.layers[3].last
+
+    model = Reading(False)
+    model.layers = torch.nn.ModuleList(Storing() for _ in range(4))
+    inputs = [torch.randn(5, 4)]
+    captured, report = repeated.capture_repeated(model, inputs, [0])
+    assert report.stamped == 0 and report.fallback, report
+    assert _same_as_eager(captured, model, inputs) == 0.0

@@ -21,14 +21,14 @@ from __future__ import annotations
 import contextlib
 import operator
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
-__all__ = ["RegionCall", "inline_regions", "marked", "region_calls", "supported"]
+__all__ = ["RegionCall", "inline_regions", "invoke_subgraph", "is_region_call", "marked", "region_calls", "supported"]
 
 
 def supported() -> bool:
@@ -48,17 +48,21 @@ def _hop() -> Any:
 
 
 @contextlib.contextmanager
-def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> Iterator[None]:
+def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8,
+           wrap: Callable[[Any, Any], Any] | None = None) -> Iterator[list[Any]]:
     """Each group of ``kinds`` (instances of one class that aotc holds to be alike) has its
     ``forward`` traced as a nested compile region of its own for the block, then everything is
     restored (module doc). The first group of a class marks the class itself; a later group of
     the same class gets a subclass of its own for the block (``instance.__class__``), so Dynamo
     keeps one body per group and never stamps one group's body out for another. ``max_reuse``:
-    the distinct bodies Dynamo may keep per region before it refuses. Only where
-    :func:`supported` holds."""
+    the distinct bodies Dynamo may keep per region before it refuses. ``wrap(region, fn)``:
+    what becomes the class's ``forward`` instead of the region itself (``fn``: the forward the
+    region marks). Yields each instance's own forward (before marking), in the order of
+    ``kinds``. Only where :func:`supported` holds."""
     patched: list[tuple[type, Any]] = []
     moved: list[tuple[torch.nn.Module, type]] = []
     original: dict[type, Any] = {}  # each class's forward before any region was put on it
+    originals: list[Any] = []
     try:
         for group in kinds:
             if not group:
@@ -74,8 +78,10 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8) -> It
             else:
                 fn = original[cls] = cls.forward
             patched.append((cls, cls.__dict__.get("forward")))
-            cls.forward = torch.compiler.nested_compile_region(fn, max_reuse_entries=max(8, max_reuse))
-        yield
+            region = torch.compiler.nested_compile_region(fn, max_reuse_entries=max(8, max_reuse))
+            cls.forward = region if wrap is None else wrap(region, fn)
+            originals += [fn] * len(group)
+        yield originals
     finally:
         for cls, own in reversed(patched):
             if own is None:
@@ -105,6 +111,17 @@ class RegionCall:
     body: str
     identifier: str
     operands: tuple[Any, ...]
+
+
+def invoke_subgraph() -> Any:
+    """The higher-order op a region call calls (where :func:`supported` holds)."""
+    return _hop()
+
+
+def is_region_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls a region's body (``invoke_subgraph``)."""
+    hop = _hop()
+    return hop is not None and node.op == "call_function" and node.target is hop
 
 
 def region_calls(gm: torch.fx.GraphModule) -> list[RegionCall]:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.fx
 
-from aotc._torch import dynamo
+from aotc._torch import dynamo, layer_calls
 from aotc.counters import COUNTERS
 from aotc.errors import CaptureError
 from aotc.gc_pause import gc_paused
@@ -47,6 +47,7 @@ from aotc.model.state import named_tensors
 __all__ = ["ArgSlot", "Captured", "capture", "graph_args"]
 
 _SHAPE_ID = "aotc_tokens"
+_LAYER_CALLS = os.path.realpath(layer_calls.__file__)
 ArgKind = Literal["param", "buffer", "input", "symbol"]
 
 
@@ -94,17 +95,36 @@ class Captured:
     token_range: tuple[int, int | None] | None = None
 
 
-def _module_files() -> dict[str, str]:
-    """realpath of each loaded module's file -> its dotted module name."""
-    out: dict[str, str] = {}
-    for name, mod in list(sys.modules.items()):
-        f = getattr(mod, "__file__", None)
-        if isinstance(f, str) and f.endswith(".py"):
-            out.setdefault(os.path.realpath(f), name)
-    return out
+class _ModuleFiles(dict[str, str]):
+    """Each loaded module's file -> its dotted module name: by the file name as loaded (what a
+    code object's ``co_filename`` holds), and by realpath only when asked for a name it lacks
+    (resolving every module's path costs ~50 ms: thousands of modules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, mod in list(sys.modules.items()):
+            f = getattr(mod, "__file__", None)
+            if isinstance(f, str) and f.endswith(".py"):
+                self.setdefault(f, name)
+        self._real: dict[str, str] | None = None
+
+    def find(self, path: str) -> str | None:
+        """The module loaded from ``path`` (as loaded, or by realpath)."""
+        if path in self:
+            return str(self[path])
+        if self._real is None:
+            self._real = {}
+            for f, name in list(self.items()):
+                self._real.setdefault(os.path.realpath(f), name)
+        return self._real.get(os.path.realpath(path))
 
 
-def _rel_source_path(path: str, modules: dict[str, str]) -> str:
+def _module_files() -> _ModuleFiles:
+    """The loaded modules by file (:class:`_ModuleFiles`)."""
+    return _ModuleFiles()
+
+
+def _rel_source_path(path: str, modules: _ModuleFiles) -> str:
     """``path`` relative to its package root (``aotc/models/toy_llama.py``).
 
     Derived from the dotted name of the module loaded from that file (so editable installs and
@@ -112,7 +132,7 @@ def _rel_source_path(path: str, modules: dict[str, str]) -> str:
     ``sys.path`` entry that contains it; otherwise the bare file name.
     """
     real = os.path.realpath(path)
-    name = modules.get(real)
+    name = modules.find(path)
     if name:
         parts = name.split(".")
         if os.path.basename(real) == "__init__.py":
@@ -132,13 +152,14 @@ def _rel_source_path(path: str, modules: dict[str, str]) -> str:
 
 def _source_files(codes: Sequence[Any]) -> tuple[tuple[str, str], ...]:
     seen: dict[str, str] = {}
-    modules = _module_files()
+    modules: _ModuleFiles | None = None
     for code in codes:
         fname = getattr(code, "co_filename", None)
         if not fname or fname.startswith("<") or not os.path.isfile(fname):
             continue
-        if is_toolchain_file(fname):
-            continue
+        if is_toolchain_file(fname) or os.path.realpath(fname) == _LAYER_CALLS:
+            continue  # (aotc's own wrapper of a layer: in the compile_logic factor)
+        modules = modules if modules is not None else _module_files()
         rel = _rel_source_path(fname, modules)
         if rel not in seen:
             with open(fname, "rb") as f:

@@ -7,7 +7,15 @@ decoder layers — except torch's own modules and classes whose instances all si
 such class's (the outermost repeated block is the one worth reusing); a list of class names
 picks them; ``off`` traces everything inline.
 
-The proof, per region call in the traced graph (``aotc._torch.regions``): the weights it is
+How: the first two layers of each kind are traced as a nested compile region — Dynamo traces the
+first and reuses its body for the second (or refuses: side effects, other guards) — and every
+later layer is not traced at all: Dynamo writes one opaque call of aotc's per layer
+(:mod:`aotc._torch.layer_calls`), which :mod:`aotc.compile.stamp` then makes a region call of the
+same body, given that layer's own weights and inputs (30 more layers of a toy Llama: +0.1 s of
+capture instead of +0.65 s with Dynamo stamping each region call out itself, +1.6 s traced
+plainly).
+
+The proof, per region call in the graph (``aotc._torch.regions``): the weights it is
 given are all of ONE instance of a marked class, no two calls get the same instance, each weight
 sits where the body's first call has the same weight of its own instance (same relative name
 at the same operand), and every instance sharing a body has the same structure key
@@ -27,8 +35,9 @@ from typing import Any
 
 import torch
 
-from aotc._torch import regions
+from aotc._torch import layer_calls, regions
 from aotc.compile.capture import Captured, capture
+from aotc.compile.stamp import stamp_out
 from aotc.errors import CaptureError
 from aotc.gc_pause import gc_paused
 
@@ -52,6 +61,7 @@ class RegionReport:
     classes: tuple[str, ...] = ()
     calls: int = 0
     bodies: int = 0
+    stamped: int = 0
     fallback: str = ""
 
     def line(self) -> str:
@@ -61,7 +71,8 @@ class RegionReport:
         if not self.classes:
             return "no repeated layer"
         return (f"{'/'.join(self.classes)}: {self.calls} layers traced as {self.bodies} "
-                f"bod{'y' if self.bodies == 1 else 'ies'}")
+                f"bod{'y' if self.bodies == 1 else 'ies'}"
+                + (f", {self.stamped} of them stamped out unseen by Dynamo" if self.stamped else ""))
 
 
 def _qualname(cls: type) -> str:
@@ -264,14 +275,14 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
     if not classes or why:
         return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
     kinds, key_of = _kinds(owner, classes)
-    count = sum(len(k) for k in kinds)
     try:
-        with regions.marked(kinds, max_reuse=count):
+        with layer_calls.stamping(kinds) as slots:
             captured = capture(model, example_inputs, dynamic_dims, params_of=params_of)
         with gc_paused():
+            captured, stamped = stamp_out(captured, owner, slots)
             calls, bodies = _prove(captured, owner, classes, key_of)
             regions.inline_regions(captured.gm)
-        return captured, RegionReport(names, calls, bodies)
+        return captured, RegionReport(names, calls, bodies, stamped)
     except (CaptureError, RuntimeError) as e:  # (a region Dynamo or the inlining could not handle)
         reason = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return (capture(model, example_inputs, dynamic_dims, params_of=params_of),

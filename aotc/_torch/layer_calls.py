@@ -1,0 +1,141 @@
+"""Layer calls Dynamo writes into the graph without tracing them (``torch.compiler.allow_in_graph``):
+how a model's repeated layer is traced twice per kind and not at all after that.
+
+In the block :func:`stamping` sets up, each kind of layer (instances aotc holds to be alike, by
+:func:`aotc.compile.repeated.structure_key`) is called through one of three roles:
+
+- ``PLAIN`` (a kind of one instance): its own forward, traced as ever;
+- ``TRACED`` (the first two instances of a kind): the forward as a nested compile region
+  (:mod:`aotc._torch.regions`: Dynamo traces the first and reuses that body for the second, or
+  refuses to: side effects, other guards), its result handed through :func:`layer_exit` — a call
+  of aotc's in the graph whose arguments are the layer's own (what each region operand was given
+  as, for the stamp-out);
+- ``CALLED`` (every later instance): one :func:`layer_call` node in the graph, nothing traced.
+  Its fake value at trace time is a new tensor of each output's meta the kind's first traced call
+  gave (``empty_strided`` under Dynamo's fake mode); run for real it is the layer's forward.
+
+What replaces a ``layer_call`` node by the body it stands for — and proves it may — is
+:mod:`aotc.compile.stamp`, after the trace. Only the trace sees the roles: they are undone after
+the block (the classes' ``forward`` and the instances' ``_aotc_layer`` attribute).
+Tested on torch 2.13 (2.11 has no region reuse: :func:`aotc._torch.regions.supported`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from aotc._torch import regions
+
+__all__ = ["CALLED", "PLAIN", "TRACED", "Slot", "layer_call", "layer_exit", "stamping"]
+
+PLAIN, TRACED, CALLED = 0, 1, 2
+_ATTR = "_aotc_layer"
+
+
+@dataclass
+class Slot:
+    """One layer instance in the block: its kind (index into the kinds given), its position in
+    the kind and its role."""
+
+    module: torch.nn.Module
+    kind: int
+    position: int
+    role: int
+    forward: Callable[..., Any] = field(repr=False, default=print)
+
+
+@dataclass
+class _Block:
+    slots: list[Slot] = field(default_factory=list)
+    outputs: dict[int, Any] = field(default_factory=dict)  # kind -> its first traced call's fake outputs
+
+
+_BLOCK = _Block()
+
+
+def _is_fake(values: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(v, FakeTensor) for v in pytree.tree_leaves(values))
+
+
+def layer_exit(slot: int, out: Any, *args: Any, **kwargs: Any) -> Any:
+    """``out`` as given (a ``TRACED`` layer's result); the arguments its layer was called with
+    ride along for the stamp-out. At trace time the kind's first call keeps its fake outputs."""
+    s = _BLOCK.slots[slot]
+    if s.position == 0 and _is_fake(out):
+        _BLOCK.outputs[s.kind] = out
+    return out
+
+
+def layer_call(slot: int, *args: Any, **kwargs: Any) -> Any:
+    """A ``CALLED`` layer: its forward run for real; at trace time, fake outputs of the metas its
+    kind's first traced call gave (a layer of the same structure given inputs of the same metas —
+    which :mod:`aotc.compile.stamp` checks before it stamps the body out)."""
+    s = _BLOCK.slots[slot]
+    if not _is_fake((args, kwargs)):
+        return s.forward(s.module, *args, **kwargs)
+    if s.kind not in _BLOCK.outputs:
+        raise RuntimeError(f"layer {slot} of kind {s.kind} is called before its kind's first layer")
+
+    def fresh(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+        return o
+
+    return pytree.tree_map(fresh, _BLOCK.outputs[s.kind])
+
+
+_ALLOWED: list[bool] = []
+
+
+def _allow_in_graph() -> None:
+    """Register the two calls with Dynamo, once (not at import: that imports Dynamo)."""
+    if not _ALLOWED:
+        torch.compiler.allow_in_graph(layer_exit)
+        torch.compiler.allow_in_graph(layer_call)
+        _ALLOWED.append(True)
+
+
+def _stamping_forward(region_fn: Any, fn: Any) -> Any:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slot, role = getattr(self, _ATTR)
+        if role == CALLED:
+            return layer_call(slot, *args, **kwargs)
+        if role == TRACED:
+            return layer_exit(slot, region_fn(self, *args, **kwargs), *args, **kwargs)
+        return fn(self, *args, **kwargs)
+
+    return forward
+
+
+@contextlib.contextmanager
+def stamping(kinds: Sequence[Sequence[torch.nn.Module]], traced: int = 2) -> Iterator[list[Slot]]:
+    """The block (module doc): the first ``traced`` instances of each kind of two or more are
+    traced as a region, the rest become ``layer_call`` nodes; yields the slots, in the order of
+    ``kinds``. Not re-entrant (one trace at a time, as Dynamo's own)."""
+    if _BLOCK.slots:
+        raise RuntimeError("a layer stamp-out is already in progress")
+    _allow_in_graph()
+    slots: list[Slot] = []
+    for k, group in enumerate(kinds):
+        for i, m in enumerate(group):
+            role = PLAIN if len(group) < 2 else TRACED if i < traced else CALLED
+            slots.append(Slot(m, k, i, role))
+    try:
+        with regions.marked(kinds, max_reuse=traced, wrap=_stamping_forward) as originals:
+            for n, s in enumerate(slots):
+                s.forward = originals[n]
+                object.__setattr__(s.module, _ATTR, (n, s.role))
+            _BLOCK.slots = slots
+            yield slots
+    finally:
+        _BLOCK.slots, _BLOCK.outputs = [], {}
+        for s in slots:
+            s.module.__dict__.pop(_ATTR, None)
