@@ -270,3 +270,26 @@ def test_a_layer_with_side_effects_is_not_stamped_out():
     captured, report = repeated.capture_repeated(model, inputs, [0])
     assert report.stamped == 0 and report.fallback, report
     assert _same_as_eager(captured, model, inputs) == 0.0
+
+
+class _LogitsAt(torch.nn.Module):
+    """Called as a manifest calls it: token ids and position ids."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, pos):
+        return self.model(input_ids=ids, position_ids=pos).logits
+
+
+@reuses
+def test_transformers_layers_stamped_out_given_position_ids():
+    """The first layer's input (the embedding) carries another size symbol than the later
+    layers' (the same size): the two traced layers differ there, and the called ones take the
+    second's, as Dynamo's own reuse did."""
+    wrapped = _LogitsAt(_hf("qwen2"))
+    inputs = [torch.randint(0, 128, (1, 10)), torch.arange(10)[None]]
+    captured, report = repeated.capture_repeated(wrapped, inputs, [1, 1], params_of=wrapped)
+    assert (report.calls, report.bodies, report.stamped, report.fallback) == (6, 1, 4, ""), report
+    assert _same_as_eager(captured, wrapped, inputs) == 0.0

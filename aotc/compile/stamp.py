@@ -128,6 +128,13 @@ def _weight_node(graph: torch.fx.Graph, after: torch.fx.Node, template: Any, fqn
     return node
 
 
+def _pattern(roles: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """What two traced layers must agree on: each operand's role, weight name and argument place;
+    a size symbol may differ (the first layer's input may carry another symbol of the same size,
+    as transformers' embeddings do): a called layer takes the second's, as Dynamo's reuse did."""
+    return [("shared", "symbol") if r == "shared" and isinstance(w, torch.fx.Node) else (r, w) for r, w in roles]
+
+
 def stamp_out(captured: Captured, owner: torch.nn.Module, slots: Sequence[layer_calls.Slot]) -> tuple[Captured, int]:
     """``captured`` with every ``layer_call`` node replaced by a region call (module doc), and
     how many were; raises :class:`CaptureError` (the graph untouched) where one may not be."""
@@ -152,7 +159,7 @@ def stamp_out(captured: Captured, owner: torch.nn.Module, slots: Sequence[layer_
             raise CaptureError(f"Dynamo did not reuse the body of {type(s.module).__name__} for its "
                                "second layer (side effects, or its guards differ)")
         roles, spec, metas = _roles(hops[1], second, path_of[id(s.module)], fqn_of)
-        if _roles(hops[0], first, path_of[id(slots[n - 1].module)], fqn_of)[0] != roles:
+        if _pattern(_roles(hops[0], first, path_of[id(slots[n - 1].module)], fqn_of)[0]) != _pattern(roles):
             raise CaptureError(f"the two traced layers of {type(s.module).__name__} pass their operands differently")
         kinds[s.kind] = _Kind(hops[1], second, roles, spec, metas)
 
