@@ -1,16 +1,18 @@
 """Names of torch's operator objects (``torch._ops``: ``OpOverload``, ``OpOverloadPacket``,
-``HigherOrderOperator``) and small facts about FX graphs that need them. Tested on torch
-2.11–2.13."""
+``HigherOrderOperator``), small facts about FX graphs that need them, and FX's lazily compiled
+graph modules (``torch.fx._lazy_graph_module``). Tested on torch 2.11–2.13."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx
 
-__all__ = ["graph_returns_tuple", "mutated_args", "op_name", "op_schema", "stable_name", "undefined_outputs",
-           "written_inputs", "written_values"]
+__all__ = ["graph_module", "graph_returns_tuple", "lazy_graph_modules", "mutated_args", "op_name",
+           "op_schema", "stable_name", "undefined_outputs", "written_inputs", "written_values"]
 
 
 def op_name(target: Any) -> str | None:
@@ -150,3 +152,27 @@ def undefined_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
             if name.split("::")[-1].split(".")[0] in _EMPTY_FUNCTIONS:
                 found.add(i)
     return frozenset(found)
+
+
+@contextlib.contextmanager
+def lazy_graph_modules() -> Iterator[None]:
+    """Graph modules made in the block (by FX's ``split_module``, by :func:`graph_module`) write
+    and compile their Python code when first called or read, not when made: a split makes one per
+    piece, most of which only a structural key ever reads. A no-op where torch lacks it."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:
+        yield
+        return
+    with _use_lazy_graph_module(True):
+        yield
+
+
+def graph_module(root: Any, graph: torch.fx.Graph, class_name: str) -> torch.fx.GraphModule:
+    """``torch.fx.GraphModule(root, graph, class_name)``, lazily compiled inside
+    :func:`lazy_graph_modules`."""
+    try:
+        from torch.fx._lazy_graph_module import _make_graph_module
+    except ImportError:
+        return torch.fx.GraphModule(root, graph, class_name)
+    return _make_graph_module(root, graph, class_name)

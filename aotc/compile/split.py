@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from aotc._torch.ops import op_name
+from aotc._torch.ops import graph_module, lazy_graph_modules, op_name
 from aotc.compile.masks import hoist_boolean_masks
 from aotc.errors import SplitError
 
@@ -132,7 +132,7 @@ def _canonical(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                                    torch.fx.node.map_arg(n.kwargs, lambda a: env[a]),
                                    name=base if k == 0 else f"{base}_{k}", type_expr=n.type)
         env[n].meta = n.meta
-    return torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+    return graph_module(gm, graph, gm.__class__.__name__)
 
 
 def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
@@ -170,13 +170,14 @@ def split(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> SplitResult:
     kwargs: dict[str, Any] = {"keep_original_order": True}
     if "tuple_return" in inspect.signature(split_module).parameters:
         kwargs["tuple_return"] = True  # every piece returns a tuple, as compile_fx expects
-    try:
-        stitch = split_module(gm, None, lambda n: part_of[n], **kwargs)  # type: ignore[arg-type]  # torch accepts None: no root module to copy attributes from
-    except Exception as e:  # noqa: BLE001 - split_module raises assorted errors
-        raise SplitError(f"torch.fx split_module failed on the captured graph: {e}") from e
-    for name, sub in list(stitch.named_children()):  # the same piece at any depth: one key
-        if isinstance(sub, torch.fx.GraphModule) and int(name.rsplit("_", 1)[1]) not in split_parts:
-            setattr(stitch, name, _canonical(sub))  # (attention runs eagerly: no key to match)
+    with lazy_graph_modules():  # (65 pieces at 32 layers: their code written when used)
+        try:
+            stitch = split_module(gm, None, lambda n: part_of[n], **kwargs)  # type: ignore[arg-type]  # torch accepts None: no root module to copy attributes from
+        except Exception as e:  # noqa: BLE001 - split_module raises assorted errors
+            raise SplitError(f"torch.fx split_module failed on the captured graph: {e}") from e
+        for name, sub in list(stitch.named_children()):  # the same piece at any depth: one key
+            if isinstance(sub, torch.fx.GraphModule) and int(name.rsplit("_", 1)[1]) not in split_parts:
+                setattr(stitch, name, _canonical(sub))  # (attention runs eagerly: no key to match)
 
     # Values flowing into each piece: the stitch graph's placeholders carry the original
     # metas; piece outputs are getitem nodes whose values we read from the piece's output node.
