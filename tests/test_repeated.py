@@ -188,6 +188,7 @@ def test_transformers_layers_one_body_per_kind(kind, bodies):
     ids = torch.randint(0, 128, (1, 10))
     captured, report = repeated.capture_repeated(wrapped, [ids], [1], params_of=wrapped)
     assert (report.calls, report.bodies, report.fallback) == (6, bodies, ""), report
+    assert report.stamped == 6 - 2 * bodies  # two layers of each kind traced, the rest stamped out
     assert _same_as_eager(captured, wrapped, [ids]) == 0.0
 
 
@@ -293,3 +294,21 @@ def test_transformers_layers_stamped_out_given_position_ids():
     captured, report = repeated.capture_repeated(wrapped, inputs, [1, 1], params_of=wrapped)
     assert (report.calls, report.bodies, report.stamped, report.fallback) == (6, 1, 4, ""), report
     assert _same_as_eager(captured, wrapped, inputs) == 0.0
+
+
+@reuses
+def test_layers_called_out_of_order_are_traced_plainly():
+    """The last layer called first: its kind's body is not traced yet, nothing to stamp out from;
+    the trace falls back to a plain one (one line says why) and the graph is right."""
+
+    class Backwards(_Net):
+        def forward(self, x):
+            for layer in reversed(self.layers):
+                x = layer(x)
+            return x
+
+    model = Backwards(False)
+    inputs = [torch.randn(5, 4)]
+    captured, report = repeated.capture_repeated(model, inputs, [0])
+    assert report.stamped == 0 and "before its kind's first layer" in report.fallback, report
+    assert _same_as_eager(captured, model, inputs) == 0.0

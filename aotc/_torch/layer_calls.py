@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from aotc._torch import regions
 
-__all__ = ["CALLED", "PLAIN", "TRACED", "Slot", "layer_call", "layer_exit", "stamping"]
+__all__ = ["CALLED", "PLAIN", "TRACED", "Block", "Slot", "layer_call", "layer_exit", "stamping"]
 
 PLAIN, TRACED, CALLED = 0, 1, 2
 _ATTR = "_aotc_layer"
@@ -51,12 +51,16 @@ class Slot:
 
 
 @dataclass
-class _Block:
+class Block:
+    """What :func:`stamping` set up: the slots, in the order of the kinds given, and why a
+    ``layer_call`` could not be traced (``""``: it could), kept after the block for the report."""
+
     slots: list[Slot] = field(default_factory=list)
-    outputs: dict[int, Any] = field(default_factory=dict)  # kind -> its first traced call's fake outputs
+    refused: str = ""
+    outputs: dict[int, Any] = field(default_factory=dict, repr=False)  # kind -> its first traced call's fake outputs
 
 
-_BLOCK = _Block()
+_BLOCK = Block()
 
 
 def _is_fake(values: Any) -> bool:
@@ -82,7 +86,8 @@ def layer_call(slot: int, *args: Any, **kwargs: Any) -> Any:
     if not _is_fake((args, kwargs)):
         return s.forward(s.module, *args, **kwargs)
     if s.kind not in _BLOCK.outputs:
-        raise RuntimeError(f"layer {slot} of kind {s.kind} is called before its kind's first layer")
+        _BLOCK.refused = f"a {type(s.module).__name__} is called before its kind's first layer"
+        raise RuntimeError(_BLOCK.refused)
 
     def fresh(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
@@ -116,10 +121,11 @@ def _stamping_forward(region_fn: Any, fn: Any) -> Any:
 
 
 @contextlib.contextmanager
-def stamping(kinds: Sequence[Sequence[torch.nn.Module]], traced: int = 2) -> Iterator[list[Slot]]:
+def stamping(kinds: Sequence[Sequence[torch.nn.Module]], traced: int = 2) -> Iterator[Block]:
     """The block (module doc): the first ``traced`` instances of each kind of two or more are
-    traced as a region, the rest become ``layer_call`` nodes; yields the slots, in the order of
-    ``kinds``. Not re-entrant (one trace at a time, as Dynamo's own)."""
+    traced as a region, the rest become ``layer_call`` nodes; yields the :class:`Block`. Not
+    re-entrant (one trace at a time, as Dynamo's own)."""
+    global _BLOCK
     if _BLOCK.slots:
         raise RuntimeError("a layer stamp-out is already in progress")
     _allow_in_graph()
@@ -133,9 +139,9 @@ def stamping(kinds: Sequence[Sequence[torch.nn.Module]], traced: int = 2) -> Ite
             for n, s in enumerate(slots):
                 s.forward = originals[n]
                 object.__setattr__(s.module, _ATTR, (n, s.role))
-            _BLOCK.slots = slots
-            yield slots
+            block = _BLOCK = Block(slots)
+            yield block
     finally:
-        _BLOCK.slots, _BLOCK.outputs = [], {}
+        _BLOCK = Block()
         for s in slots:
             s.module.__dict__.pop(_ATTR, None)

@@ -275,15 +275,16 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
     if not classes or why:
         return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
     kinds, key_of = _kinds(owner, classes)
+    block = layer_calls.Block()
     try:
-        with layer_calls.stamping(kinds) as slots:
+        with layer_calls.stamping(kinds) as block:
             captured = capture(model, example_inputs, dynamic_dims, params_of=params_of)
         with gc_paused():
-            captured, stamped = stamp_out(captured, owner, slots)
+            captured, stamped = stamp_out(captured, owner, block.slots)
             calls, bodies = _prove(captured, owner, classes, key_of)
             regions.inline_regions(captured.gm)
         return captured, RegionReport(names, calls, bodies, stamped)
     except (CaptureError, RuntimeError) as e:  # (a region Dynamo or the inlining could not handle)
-        reason = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        reason = block.refused or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return (capture(model, example_inputs, dynamic_dims, params_of=params_of),
             RegionReport(names, fallback=f"regions of {', '.join(names)} not used: {reason}"))
