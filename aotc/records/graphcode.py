@@ -294,6 +294,10 @@ def _as_python(encoded: Encoded, bound: Mapping[str, Bound] | None = None) -> An
                 last_use[ref] = i
         output = next(n for n in nodes if n["op"] == "output")
         kept = set(_node_refs(output["args"]))
+        dies_at: dict[int, list[str]] = {}  # (one pass: a scan of every value per line grew as n²)
+        for ref, at in last_use.items():
+            if ref not in kept:
+                dies_at.setdefault(at, []).append(ref)
         for i, n in enumerate(body):
             kind, _, what = n["target"].partition(":")
             var[n["name"]] = f"v{i}"
@@ -325,8 +329,7 @@ def _as_python(encoded: Encoded, bound: Mapping[str, Bound] | None = None) -> An
             else:
                 return None
             lines.append(f"    v{i} = {call}({', '.join(args + kwargs)}){tail}")
-            dead = sorted({var[r] for r, at in last_use.items() if at == i and r not in kept
-                           and r in var})
+            dead = sorted({var[r] for r in dies_at.get(i, ()) if r in var})
             if dead:
                 lines.append(f"    del {', '.join(dead)}")
         lines.append(f"    return {expr(output['args'])}")
