@@ -144,6 +144,8 @@ def median(rows: list[dict[str, Any]]) -> dict[str, Any]:
 _WARM_KERNEL_HEADER = """
 from aotc._torch import isa_probes, kernel_header
 from aotc.backend.config import DEFAULT_INDUCTOR
+from aotc.lookup.toolchain import fingerprint
+kernel_header.keep_headers(fingerprint("cpu"))
 job = kernel_header.start(kernel_header.kernel_command_template(isa_probes.predicted_isa(), dict(DEFAULT_INDUCTOR)))
 if job is not None:
     job.done.wait(600)

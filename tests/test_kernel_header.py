@@ -42,8 +42,11 @@ def test_a_batch_takes_the_header_only_when_nothing_before_its_prefix_could_chan
 @pytest.fixture
 def machine_tmp(tmp_path, monkeypatch):
     """A machine of its own: tempfile's dir (where aotc keeps headers and probes) and g++'s."""
+    from aotc.lookup.toolchain import fingerprint
+
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setitem(kernel_header._state, "machine", fingerprint("cpu"))  # (keep_headers, undone)
     yield tmp_path
     kernel_header.cancel()
 
@@ -182,20 +185,32 @@ def test_dynamo_calls_around_each_compile_and_again_after_a_reset() -> None:
 
 
 def test_nothing_is_speculated_for_a_store_that_served_this_toolchain(tmp_path, monkeypatch) -> None:
-    # a warm start runs no compiler, not even ahead: a store with this toolchain's memo skips it
+    # a warm start runs no compiler, not even ahead: a store with this toolchain's memo skips it;
+    # otherwise the header is keyed by the toolchain's fingerprint (the lookup's, handed down)
     from aotc.backend import serve
     from aotc.lookup.toolchain import fingerprint
     from aotc.settings import Settings
 
+    machine = fingerprint("cpu")
     monkeypatch.setenv("AOTC_STORE", str(tmp_path / "store"))
     monkeypatch.setattr(serve, "_STORES", set())
-    assert not serve._served_here_before(Settings.from_env())
-    memo = tmp_path / "store" / "store-v1" / "toolchain" / f"{fingerprint('cpu')}.json"
+    assert serve._speculation_machine(Settings.from_env()) == machine
+    memo = tmp_path / "store" / "store-v1" / "toolchain" / f"{machine}.json"
     memo.parent.mkdir(parents=True)
     memo.write_text("{}")
-    assert serve._served_here_before(Settings.from_env())
+    assert serve._speculation_machine(Settings.from_env()) is None
     # a backend's own store counts too
     monkeypatch.setenv("AOTC_STORE", str(tmp_path / "other"))
-    assert not serve._served_here_before(Settings.from_env())
+    assert serve._speculation_machine(Settings.from_env()) == machine
     serve.backend(store=str(tmp_path / "store"))
-    assert serve._served_here_before(Settings.from_env())
+    assert serve._speculation_machine(Settings.from_env()) is None
+
+
+def test_a_process_handed_no_toolchain_builds_no_header(monkeypatch) -> None:
+    monkeypatch.delitem(kernel_header._state, "machine", raising=False)
+    assert kernel_header.header_dir(TEMPLATE) is None
+    assert kernel_header.start(TEMPLATE) is None  # nothing to build, nothing before it
+    monkeypatch.setitem(kernel_header._state, "machine", "a")
+    one = kernel_header.header_dir(TEMPLATE)
+    monkeypatch.setitem(kernel_header._state, "machine", "b")
+    assert one is not None and kernel_header.header_dir(TEMPLATE) not in (None, one)  # per toolchain

@@ -20,9 +20,12 @@ other killed; none → as before. The kernels are the same text either way (the 
 lines the batch opens with), so the key and the artifacts do not depend on it.
 
 Where. Kept per machine beside Inductor's own headers (``$TMPDIR/torchinductor_$USER/aotc-pch``),
-by the kernel command, the header's lines and the toolchain it was parsed from (compiler, torch
-version, the ``cpp_prefix.h`` file), so a torch upgraded in place gets another; g++ itself refuses
-a header built by another compiler or with other flags and reads the text instead.
+by the kernel command, the header's lines and the toolchain it was parsed from — the machine's
+toolchain fingerprint (``aotc.lookup.toolchain.fingerprint``: compiler, torch and its files, CPU),
+which the compile's entry hands down (:func:`keep_headers`, :func:`speculate`) as it hands the
+ISA probes their directory; a process that was handed none builds no header. So a torch
+upgraded in place gets another; g++ itself refuses a header built by another compiler or with
+other flags and reads the text instead.
 
 Nothing outlives the compile: Dynamo's end callback (:func:`cancel`) kills what still runs — a
 header is renamed into place whole or not at all — and so does the interpreter's exit.
@@ -49,7 +52,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEAD", "build", "cancel", "header_dir", "kernel_command_template", "last_build", "speculate", "start"]
+__all__ = ["HEAD", "build", "cancel", "header_dir", "keep_headers", "kernel_command_template", "last_build",
+           "speculate", "start"]
 
 SRC, OUT = "\0SRC\0", "\0OUT\0"  # a kernel command's source and library, as kernel_batch marks them
 
@@ -73,26 +77,20 @@ class _Job:
         self.dir, self.done, self.ok = directory, threading.Event(), False
 
 
-def _toolchain() -> list[Any]:
-    import torch
-
-    def stat(path: str | None) -> list[Any]:
-        try:
-            s = os.stat(path) if path else None
-        except OSError:
-            s = None
-        return [path, s.st_size, s.st_mtime_ns] if s else [path]
-
-    prefix = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "inductor", "cpp_prefix.h")
-    cxx = os.environ.get("CXX", "g++")
-    return [torch.__version__, stat(prefix), cxx, stat(shutil.which(cxx))]
+def keep_headers(machine: str) -> None:
+    """Key this process's headers by ``machine``, the toolchain's fingerprint (module doc)."""
+    _state["machine"] = machine
 
 
-def header_dir(template: str) -> Path:
-    """Where this machine keeps the header for kernels built by ``template`` (module doc)."""
+def header_dir(template: str) -> Path | None:
+    """Where this machine keeps the header for kernels built by ``template`` (module doc); None
+    in a process no toolchain fingerprint was handed to."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    digest = hashlib.sha256(json.dumps([template, HEAD, _toolchain()]).encode()).hexdigest()
+    machine = _state.get("machine")
+    if machine is None:
+        return None
+    digest = hashlib.sha256(json.dumps([template, HEAD, machine]).encode()).hexdigest()
     return Path(default_cache_dir()) / "aotc-pch" / digest[:32]
 
 
@@ -206,6 +204,7 @@ def start(template: str | None, before: Before = (), before_done: threading.Even
     per header in a process). The header's job (this one's or the one already running), or None
     when the header is built."""
     directory = header_dir(template) if template is not None else None
+    template = template if directory is not None else None
     job = running = None
     with _lock:
         _state["cancelled"] = False
@@ -270,17 +269,20 @@ def kernel_command_template(vec_isa: Any, options: dict[str, Any]) -> str | None
     return line.replace(src, SRC).replace(out, OUT)
 
 
-def speculate(options: dict[str, Any], wanted: Callable[[], bool] = lambda: True) -> None:
+def speculate(options: dict[str, Any], machine: Callable[[], str | None]) -> None:
     """Start the ISA probes' builds and the header's (module doc) on a machine that lacks them,
-    decided once per process (``wanted`` is asked then, and only then): the kernel command
-    predicted from the CPU's flags and ``options`` (the backend's Inductor options). Never on a
-    machine with CUDA. Best effort: anything unexpected, nothing starts."""
+    decided once per process (``machine`` is asked then, and only then: the toolchain's
+    fingerprint to key the header by, None to start nothing): the kernel command predicted from
+    the CPU's flags and ``options`` (the backend's Inductor options). Never on a machine with
+    CUDA. Best effort: anything unexpected, nothing starts."""
     if "template" in _state:
         return
     _state["template"] = None
     try:
-        if not wanted():
+        fingerprint = machine()
+        if fingerprint is None:
             return
+        keep_headers(fingerprint)
         import torch
 
         if torch.cuda.is_available():

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from aotc._torch import dynamo, header_build, inductor_compile, isa_probes
+from aotc._torch import dynamo, header_build, inductor_compile, isa_probes, kernel_header
 from aotc._torch.ops import mutated_args, written_inputs
 from aotc.backend.graphkey import graph_device
 from aotc.compile.core import Job, build
@@ -358,7 +358,9 @@ def build_entry(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], store: 
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     device = graph_device(example_inputs)
-    isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(device)))
+    machine = fingerprint(device)
+    isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(machine))
+    kernel_header.keep_headers(machine)
     # the ISA probes, then the kernels' precompiled header in the background (cold machine)
     header_build.start_header_build(dict(options), device)
     parts = _with_real_inputs(split(gm, list(ops)), example_inputs)

@@ -307,16 +307,17 @@ def aotc_backend(gm: Any, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
 _STORES: set[str] = set()  # the local stores the backends made in this process name (aotc.backend(store=…))
 
 
-def _served_here_before(settings: Any) -> bool:
-    """Whether a local store this process's backends use (``settings``' default, the ones
-    ``aotc.backend(store=…)`` named) has served this machine's toolchain before (its toolchain
-    memo is there): the next compile is then most likely a hit — a warm start runs no compiler,
-    not even ahead of time."""
+def _speculation_machine(settings: Any) -> str | None:
+    """The toolchain fingerprint the kernels' header is kept by, or None when a local store this
+    process's backends use (``settings``' default, the ones ``aotc.backend(store=…)`` named) has
+    served this machine's toolchain before (its toolchain memo is there): the next compile is then
+    most likely a hit — a warm start runs no compiler, not even ahead of time."""
     from aotc.lookup.toolchain import fingerprint
 
+    machine = fingerprint("cpu")
     roots = {settings.default_store_path(), *(Path(s).expanduser() for s in _STORES)}
-    memo = f"{fingerprint('cpu')}.json"
-    return any((root / "store-v1" / "toolchain" / memo).is_file() for root in roots)
+    served = any((root / "store-v1" / "toolchain" / f"{machine}.json").is_file() for root in roots)
+    return None if served else machine
 
 
 def _start_kernel_header() -> None:
@@ -327,7 +328,7 @@ def _start_kernel_header() -> None:
     from aotc.settings import Settings
 
     # decided at the first compile of the process: a cold store, that compile most likely misses
-    kernel_header.speculate(dict(DEFAULT_INDUCTOR), lambda: not _served_here_before(Settings.from_env()))
+    kernel_header.speculate(dict(DEFAULT_INDUCTOR), lambda: _speculation_machine(Settings.from_env()))
 
 
 def _end_kernel_header() -> None:

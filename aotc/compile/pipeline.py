@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import header_build, isa_probes
+from aotc._torch import header_build, isa_probes, kernel_header
 from aotc.cache import StoreReadOnlyError
 from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, trace_and_split
@@ -125,7 +125,9 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
     base = base_factors(manifest, toolchain)
-    isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(fingerprint(manifest.device)))
+    machine = fingerprint(manifest.device)
+    isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(machine))
+    kernel_header.keep_headers(machine)
     if not force:
         found = resolve(manifest, store, toolchain, record=False)
         if found.entry is not None:
