@@ -244,6 +244,7 @@ def test_a_layer_called_otherwise_is_not_stamped_out():
     inputs = [torch.randn(5, 4)]
     _, same = repeated.capture_repeated(_Net(False), inputs, [0])
     assert (same.calls, same.stamped) == (4, 2), same
+    assert not hasattr(_Scale.forward, "__marked_compile_region_config__")  # torch marked a copy
     model = _Net(True)
     captured, report = repeated.capture_repeated(model, inputs, [0])
     assert "called with other arguments" in report.fallback, report
@@ -312,3 +313,78 @@ def test_layers_called_out_of_order_are_traced_plainly():
     captured, report = repeated.capture_repeated(model, inputs, [0])
     assert report.stamped == 0 and "before its kind's first layer" in report.fallback, report
     assert _same_as_eager(captured, model, inputs) == 0.0
+
+
+class _Twice(_Scale):
+    def forward(self, h, x):
+        return h * self.w + 2 * x
+
+
+class _GivenTwice(torch.nn.Module):
+    """Layer 0 gets the same tensor as both its arguments (``h = x``), the later ones two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Twice() for _ in range(5))
+
+    def forward(self, x):
+        h = x
+        for layer in self.layers:
+            h = layer(h, x)
+        return h
+
+
+class _Indexed(_Scale):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.layer_idx = i
+
+    def forward(self, x):
+        return x * self.w * (2.0 if self.layer_idx >= 3 else 1.0)
+
+
+class _Scaled(_Scale):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        return x * self.w * self.scale
+
+
+class _SetsScale(_Net):
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            layer.scale = 3.0 if i >= 2 else 1.0
+            x = layer(x)
+        return x
+
+
+class _LaterAutocast(_Net):
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i >= 2):
+                x = layer(x).float()
+        return x
+
+
+@reuses
+@pytest.mark.parametrize("case", ["same tensor twice", "index read", "attribute set", "autocast"])
+def test_what_a_stamped_layer_would_get_wrong_is_traced_plainly(case):
+    """Found by a review, each a wrong answer before it was checked: a layer given one tensor
+    twice (a body then takes one for the other, Dynamo's own reuse too), a body that reads the
+    layer's index, an attribute the model sets between layers, autocast around later layers."""
+    x = torch.randn(5, 4)
+    if case == "same tensor twice":
+        model, why = _GivenTwice(), "same tensor in two places"
+    elif case == "index read":
+        model, why = _Net(False), "body reads ['layer_idx']"
+        model.layers = torch.nn.ModuleList(_Indexed(i) for i in range(5))
+    elif case == "attribute set":
+        model, why = _SetsScale(False), "attributes changed while the model ran"
+        model.layers = torch.nn.ModuleList(_Scaled() for _ in range(4))
+    else:
+        model, why = _LaterAutocast(False), "different grad or autocast modes"
+    captured, report = repeated.capture_repeated(model, [x], [0])
+    assert report.stamped == 0 and why in report.fallback, report
+    assert _same_as_eager(captured, model, [x]) == 0.0

@@ -58,6 +58,8 @@ class Block:
     slots: list[Slot] = field(default_factory=list)
     refused: str = ""
     outputs: dict[int, Any] = field(default_factory=dict, repr=False)  # kind -> its first traced call's fake outputs
+    ambient: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> the global state it was called in
+    read: dict[int, frozenset[str] | None] = field(default_factory=dict)  # kind -> attribute names its body read
 
 
 _BLOCK = Block()
@@ -69,12 +71,49 @@ def _is_fake(values: Any) -> bool:
     return any(isinstance(v, FakeTensor) for v in pytree.tree_leaves(values))
 
 
+def ambient() -> tuple[Any, ...]:
+    """The process-wide state a layer's ops depend on beyond its arguments: grad mode, inference
+    mode, autocast (on and its dtype) for the CPU and CUDA. Dynamo sets it while it traces."""
+    state: list[Any] = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    for device in ("cpu", "cuda"):
+        try:
+            state += [torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)]
+        except (RuntimeError, TypeError, AttributeError):  # (an older torch's signatures)
+            state.append(None)
+    return tuple(state)
+
+
+def _attributes_read() -> frozenset[str] | None:
+    """The names of the attributes the region bodies traced so far read (Dynamo's reuse records
+    every source a body read: ``…layers._modules['0'].layer_idx``); None where this torch keeps
+    them otherwise (then nothing is stamped out)."""
+    from torch._guards import TracingContext
+
+    try:
+        cache = TracingContext.get().hop_dispatch_set_cache.get_cache(torch.ops.higher_order.invoke_subgraph)
+        names = set()
+        for entries in cache.subgraph_reuse_cache.values():  # type: ignore[union-attr]
+            for condition, _ in entries:
+                for source in condition.traced_sources or ():
+                    tail = source.name.rsplit(".", 1)
+                    if len(tail) == 2 and tail[1].isidentifier():
+                        names.add(tail[1])
+        return frozenset(names)
+    except Exception:  # noqa: BLE001 - torch's internals differ: read as "unknown"
+        return None
+
+
 def layer_exit(slot: int, out: Any, *args: Any, **kwargs: Any) -> Any:
     """``out`` as given (a ``TRACED`` layer's result); the arguments its layer was called with
-    ride along for the stamp-out. At trace time the kind's first call keeps its fake outputs."""
+    ride along for the stamp-out. At trace time: the global state it was called in; for the
+    kind's first call its fake outputs, for its second the attributes its body read."""
     s = _BLOCK.slots[slot]
-    if s.position == 0 and _is_fake(out):
-        _BLOCK.outputs[s.kind] = out
+    if _is_fake(out):
+        _BLOCK.ambient[slot] = ambient()
+        if s.position == 0:
+            _BLOCK.outputs[s.kind] = out
+        elif s.position == 1:
+            _BLOCK.read[s.kind] = _attributes_read()
     return out
 
 
@@ -85,6 +124,7 @@ def layer_call(slot: int, *args: Any, **kwargs: Any) -> Any:
     s = _BLOCK.slots[slot]
     if not _is_fake((args, kwargs)):
         return s.forward(s.module, *args, **kwargs)
+    _BLOCK.ambient[slot] = ambient()
     if s.kind not in _BLOCK.outputs:
         _BLOCK.refused = f"a {type(s.module).__name__} is called before its kind's first layer"
         raise RuntimeError(_BLOCK.refused)

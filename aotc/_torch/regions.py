@@ -61,14 +61,17 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8,
     ``kinds``. Only where :func:`supported` holds."""
     patched: list[tuple[type, Any]] = []
     moved: list[tuple[torch.nn.Module, type]] = []
-    original: dict[type, Any] = {}  # each class's forward before any region was put on it
+    # each class's forward before any is marked (a subclass inheriting a marked class's forward
+    # must not take the marked one for its own: it would call itself)
+    original: dict[type, Any] = {type(g[0]): type(g[0]).forward for g in kinds if g}
+    seen: set[type] = set()
     originals: list[Any] = []
     try:
         for group in kinds:
             if not group:
                 continue
             cls = type(group[0])
-            if cls in original:  # another kind of the same class: a subclass of its own
+            if cls in seen:  # another kind of the same class: a subclass of its own
                 fn = _renamed(original[cls], len(patched))
                 cls = type(cls.__name__, (cls,), {"__module__": cls.__module__,
                                                   "__qualname__": cls.__qualname__})
@@ -76,9 +79,11 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8,
                     moved.append((m, type(m)))
                     m.__class__ = cls
             else:
-                fn = original[cls] = cls.forward
+                seen.add(cls)
+                fn = original[cls]
             patched.append((cls, cls.__dict__.get("forward")))
-            region = torch.compiler.nested_compile_region(fn, max_reuse_entries=max(8, max_reuse))
+            # (torch marks the function it is given with attributes: a copy of the caller's)
+            region = torch.compiler.nested_compile_region(_copied(fn), max_reuse_entries=max(8, max_reuse))
             cls.forward = region if wrap is None else wrap(region, fn)
             originals += [fn] * len(group)
         yield originals
@@ -92,14 +97,20 @@ def marked(kinds: Sequence[Sequence[torch.nn.Module]], max_reuse: int = 8,
             m.__class__ = cls
 
 
-def _renamed(fn: Any, n: int) -> Any:
-    """``fn`` with a code object of its own (Dynamo keeps the bodies it may reuse per code
-    object): another kind of layer of the same class never meets the first kind's bodies."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_aotc_kind{n}")
-    out = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def _copied(fn: Any, code: types.CodeType | None = None) -> Any:
+    """A function of ``fn``'s code (or ``code``) of its own: attributes set on it stay off ``fn``."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    out = types.FunctionType(code or fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     out.__kwdefaults__, out.__dict__ = fn.__kwdefaults__, dict(fn.__dict__)
     out.__qualname__, out.__module__ = fn.__qualname__, fn.__module__
     return out
+
+
+def _renamed(fn: Any, n: int) -> Any:
+    """``fn`` with a code object of its own (Dynamo keeps the bodies it may reuse per code
+    object): another kind of layer of the same class never meets the first kind's bodies."""
+    return _copied(fn, fn.__code__.replace(co_name=f"{fn.__code__.co_name}_aotc_kind{n}"))
 
 
 @dataclass(frozen=True)

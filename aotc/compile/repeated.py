@@ -175,6 +175,18 @@ def _index_attributes(instances: Sequence[torch.nn.Module]) -> frozenset[str]:
                      and values[0][p] != values[1][p])
 
 
+def _differing(group: Sequence[torch.nn.Module]) -> frozenset[str]:
+    """The names of the attributes the layers of one kind differ in (their index: what the
+    structure key leaves out), by their last component (``layer_idx``)."""
+    values = [dict(_attributes(m)) for m in group]
+    paths = set().union(*values) if values else set()
+    return frozenset(p.rsplit(".", 1)[-1] for p in paths
+                     if len({repr(v.get(p, _MISSING)) for v in values}) > 1)
+
+
+_MISSING = object()
+
+
 def _attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
     out = []
     for path, m in module.named_modules(remove_duplicate=False):
@@ -274,17 +286,21 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
     why = "" if not classes else _not_reusable(owner)
     if not classes or why:
         return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
-    kinds, key_of = _kinds(owner, classes)
     block = layer_calls.Block()
     try:
+        kinds, key_of = _kinds(owner, classes)
         with layer_calls.stamping(kinds) as block:
             captured = capture(model, example_inputs, dynamic_dims, params_of=params_of)
         with gc_paused():
-            captured, stamped = stamp_out(captured, owner, block.slots)
+            if _kinds(owner, classes)[1] != key_of:  # (the trace ran the model: what it set shows)
+                raise CaptureError("a layer's attributes changed while the model ran (set by its "
+                                   "forward, a hook or the model between layers)")
+            differing = {k: _differing(group) for k, group in enumerate(kinds)}
+            captured, stamped = stamp_out(captured, owner, block, differing)
             calls, bodies = _prove(captured, owner, classes, key_of)
             regions.inline_regions(captured.gm)
         return captured, RegionReport(names, calls, bodies, stamped)
-    except (CaptureError, RuntimeError) as e:  # (a region Dynamo or the inlining could not handle)
+    except Exception as e:  # noqa: BLE001 - anything short of a proven graph: a plain trace, and why
         reason = block.refused or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
     return (capture(model, example_inputs, dynamic_dims, params_of=params_of),
             RegionReport(names, fallback=f"regions of {', '.join(names)} not used: {reason}"))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -135,9 +135,35 @@ def _pattern(roles: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return [("shared", "symbol") if r == "shared" and isinstance(w, torch.fx.Node) else (r, w) for r, w in roles]
 
 
-def stamp_out(captured: Captured, owner: torch.nn.Module, slots: Sequence[layer_calls.Slot]) -> tuple[Captured, int]:
+def _checked_block(block: layer_calls.Block, differing: Mapping[int, frozenset[str]]) -> None:
+    """What the trace itself told of each kind: every layer of it called in the same global
+    state (grad mode, autocast), and a kind with layers to stamp out has a body that read none of
+    the attributes its layers differ in (``differing``: their index, left out of the structure
+    key — Dynamo guards it on the layers it traces, nothing does on a stamped one)."""
+    for kind in {s.kind for s in block.slots if s.role != layer_calls.PLAIN}:
+        slots = [n for n, s in enumerate(block.slots) if s.kind == kind]
+        if len({block.ambient.get(n) for n in slots}) != 1:
+            raise CaptureError("the layers of a kind are called under different grad or autocast modes")
+        if any(block.slots[n].role == layer_calls.CALLED for n in slots):
+            read = block.read.get(kind)
+            if read is None or read & differing.get(kind, frozenset()):
+                raise CaptureError(f"a layer's body reads {sorted(differing.get(kind, ()))!r} or "
+                                   "what it read is unknown: each layer traced")
+
+
+def _no_alias(node: torch.fx.Node, skip: int) -> None:
+    nodes = [a for a in _layer_args(node, skip)[0] if isinstance(a, torch.fx.Node)]
+    if len(set(nodes)) != len(nodes):
+        raise CaptureError("a layer is given the same tensor in two places (a body traced for it "
+                           "would take one for the other at another layer)")
+
+
+def stamp_out(captured: Captured, owner: torch.nn.Module, block: layer_calls.Block,
+              differing: Mapping[int, frozenset[str]]) -> tuple[Captured, int]:
     """``captured`` with every ``layer_call`` node replaced by a region call (module doc), and
-    how many were; raises :class:`CaptureError` (the graph untouched) where one may not be."""
+    how many were; raises :class:`CaptureError` (the graph untouched) where one may not be.
+    ``differing``: per kind, the attributes its layers may differ in (:func:`_checked_block`)."""
+    slots = block.slots
     gm, graph = captured.gm, captured.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fqn_of = {n: s.fqn for n, s in zip(placeholders, captured.arg_spec) if s.kind in ("param", "buffer")}
@@ -148,6 +174,11 @@ def stamp_out(captured: Captured, owner: torch.nn.Module, slots: Sequence[layer_
     traced = [s for s in slots if s.role == layer_calls.TRACED]
     if len(exits) != len(traced) or len(calls) != sum(s.role == layer_calls.CALLED for s in slots):
         raise CaptureError("the trace did not call each layer once, in order")
+    _checked_block(block, differing)
+    for node in exits.values():
+        _no_alias(node, 2)
+    for node in calls:
+        _no_alias(node, 1)
 
     kinds: dict[int, _Kind] = {}
     for n, s in enumerate(slots):
