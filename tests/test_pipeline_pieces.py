@@ -534,3 +534,78 @@ def test_identical_layers_are_keyed_by_inductor_once(tmp_path: Path, monkeypatch
     for p in traced.parts.pieces:
         if not p.is_splitting:
             assert pieces.piece_uid(p, {}) == traced.uid_of[p.name]
+
+
+_GLOBAL_BETWEEN_LAYERS = '''
+import torch
+from torch import nn
+from aotc.models.toy_llama import attention
+
+SCALE = 1.0
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x):
+        q = (x * self.w * SCALE).view(x.shape[0], 2, -1)
+        return x + attention(q, q, q).reshape(x.shape)
+
+
+class Net(nn.Module):
+    def __init__(self, layers, hidden, vocab):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Layer(hidden) for _ in range(layers))
+
+    def forward(self, input_ids, positions):
+        global SCALE
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            SCALE = 1.0 if i < 2 else 3.0  # the model changes a global its layers read
+            x = layer(x)
+        SCALE = 1.0
+        return x
+
+
+def build(layers=5, hidden=8, vocab=64):
+    torch.manual_seed(0)
+    return Net(layers, hidden, vocab).eval()
+'''
+
+
+@pytest.mark.slow
+def test_a_failed_check_with_layers_stamped_out_traces_every_layer_under_the_same_key(tmp_path: Path) -> None:
+    """A global the model changes between layers is not seen by the stamp-out (a stamped layer
+    reads what the second traced one read): the numeric check fails, and the compile traces
+    every layer again before anything is stored — one entry, under the key a lookup computes."""
+    import importlib.util
+
+    import yaml
+
+    import aotc
+    from aotc.compile.pipeline import compile_manifest
+
+    (tmp_path / "globalnet.py").write_text(_GLOBAL_BETWEEN_LAYERS)
+    manifest = tmp_path / "globalnet.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "name": "globalnet", "model": {"factory": "globalnet.py:build"},
+        "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["tokens"], "high": 64},
+                   {"name": "positions", "dtype": "int64", "shape": ["tokens"], "fill": "arange"}],
+        "compile_sizes": [], "max_tokens": 64, "splitting_ops": ["aotc::attention"]}))
+    store = tmp_path / "store"
+    result = compile_manifest(manifest, store=str(store))
+    assert not result.hit and "numeric check failed with layers stamped out" in result.regions, result.regions
+    again = compile_manifest(manifest, store=str(store))
+    assert again.hit and again.key == result.key
+    spec = importlib.util.spec_from_file_location("globalnet_eager", tmp_path / "globalnet.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    eager = module.build()
+    runner = aotc.load(manifest, store=str(store), model=eager)
+    ids, positions = torch.randint(0, 64, (9,)), torch.arange(9)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(ids, positions), eager(ids, positions))

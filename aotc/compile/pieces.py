@@ -31,6 +31,7 @@ class Traced:
     first_of: dict[str, Piece]  # unique id -> first piece with it, in order
     warnings: list[str]
     regions: str = ""  # what the capture did with the repeated layers (RegionReport.line)
+    stamped: int = 0  # how many layers it stamped out (aotc.compile.stamp)
 
 
 def _check_splitting_ops(manifest: Manifest, gm: Any, pieces: int) -> None:
@@ -72,8 +73,9 @@ def unique_pieces(pieces: Any, options: dict[str, Any]) -> tuple[dict[str, str],
 
 
 def trace_and_split(manifest: Manifest, progress: Progress | None = None,
-                    seconds: dict[str, float] | None = None) -> Traced:
-    """Build, capture once (token dim dynamic), split at the splitting ops, dedup the pieces."""
+                    seconds: dict[str, float] | None = None, regions: str | None = None) -> Traced:
+    """Build, capture once (token dim dynamic), split at the splitting ops, dedup the pieces.
+    ``regions``: the manifest's ``regions`` unless given (``"off"``: every layer traced)."""
     progress = progress or Progress(quiet=True)
     seconds = seconds if seconds is not None else {}
     what = manifest.model.factory or (manifest.model.hf.architecture if manifest.model.hf else "?")
@@ -86,7 +88,8 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
     t = time.perf_counter()
     trace_n = min(manifest.max_tokens, 7)
     captured, report = capture_repeated(model, make_inputs(manifest, trace_n), dynamic_dims(manifest),
-                                        params_of=model.model, wanted=manifest.regions)
+                                        params_of=model.model,
+                                        wanted=manifest.regions if regions is None else regions)
     seconds["capture"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -99,7 +102,7 @@ def trace_and_split(manifest: Manifest, progress: Progress | None = None,
                             f"(regions: {report.line()})")
     for w in parts.warnings:
         progress.note(w)
-    return Traced(model, captured, parts, uid_of, first_of, list(parts.warnings), report.line())
+    return Traced(model, captured, parts, uid_of, first_of, list(parts.warnings), report.line(), report.stamped)
 
 
 def _dense_order(shape: list[int], strides: list[int]) -> list[int] | None:

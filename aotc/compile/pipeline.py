@@ -8,6 +8,8 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ from aotc.cache import StoreReadOnlyError
 from aotc.compile.core import Job, build
 from aotc.compile.pieces import piece_records, trace_and_split
 from aotc.context import Context
-from aotc.errors import AotcError
+from aotc.errors import AotcError, NumericMismatchError
 from aotc.fleet.tiered import TieredStore, Wanted
 from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
 from aotc.lookup.stores import as_manifest, open_store
@@ -160,8 +162,12 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
 
 def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progress: Progress, jobs: int,
                     toolchain: dict[str, Any], base: dict[str, Any],
-                    seconds: dict[str, float]) -> CompileResult:
-    """Trace and split, then the compile core (a miss of ``compile_manifest``)."""
+                    seconds: dict[str, float], regions: str | None = None) -> CompileResult:
+    """Trace and split, then the compile core (a miss of ``compile_manifest``). A program whose
+    numeric check fails with layers stamped out (``aotc.compile.stamp``: what a stamped layer
+    reads beyond its arguments and weights — a global the model changes between layers — is not
+    seen) is traced again with every layer traced, under the same key (the graph is the same
+    but for that), before anything is stored; ``regions``: that retry's ``"off"``."""
     store = tiered.local
     # the kernels' precompiled header (one long g++ run on a cold machine) builds while this
     # process traces, after the ISA probes (short g++ runs, kept per machine: its phase is ~0 on a
@@ -169,7 +175,7 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
     t = time.perf_counter()
     header_build.start_header_build(dict(manifest.inductor), manifest.device)
     seconds["isa_probes"] = time.perf_counter() - t
-    traced = trace_and_split(manifest, progress, seconds)
+    traced = trace_and_split(manifest, progress, seconds, regions)
     model, captured, parts = traced.model, traced.captured, traced.parts
     shapes: list[int | None] = [None, *manifest.compile_sizes]
     if captured.dynamic == "static":
@@ -191,7 +197,15 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
               options=dict(manifest.inductor), program=program,
               check=lambda prog, by_uid: numeric_check(Runner(prog, by_uid, model), model, manifest),
               metadata={"probe": compute_key(base)}, jobs=jobs, fork=True, force=force)
-    built = build(store, job, progress, seconds, signer=tiered.signer)
+    try:
+        built = build(store, job, progress, seconds, signer=tiered.signer)
+    except NumericMismatchError:
+        if not traced.stamped:
+            raise
+        why = "the numeric check failed with layers stamped out"
+        progress.note(f"{why}: every layer traced again")
+        result = _compile_traced(manifest, tiered, force, progress, jobs, toolchain, base, seconds, "off")
+        return dataclasses.replace(result, regions=f"traced every layer ({why})")
     # the toolchain memo's Inductor settings as a fresh process reads them (a fresh interpreter,
     # once per memo; after the compile: no fork of a worker meets its pipes)
     remember_fresh_values(manifest.device, store.base / "toolchain")
