@@ -8,10 +8,8 @@ does nothing. Nothing is stored when any step fails, the numeric check included.
 
 from __future__ import annotations
 
-import dataclasses
-
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +203,7 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
         why = "the numeric check failed with layers stamped out"
         progress.note(f"{why}: every layer traced again")
         result = _compile_traced(manifest, tiered, force, progress, jobs, toolchain, base, seconds, "off")
-        return dataclasses.replace(result, regions=f"traced every layer ({why})")
+        return replace(result, regions=f"traced every layer ({why})")
     # the toolchain memo's Inductor settings as a fresh process reads them (a fresh interpreter,
     # once per memo; after the compile: no fork of a worker meets its pipes)
     remember_fresh_values(manifest.device, store.base / "toolchain")
