@@ -175,18 +175,6 @@ def _index_attributes(instances: Sequence[torch.nn.Module]) -> frozenset[str]:
                      and values[0][p] != values[1][p])
 
 
-def _differing(group: Sequence[torch.nn.Module]) -> frozenset[str]:
-    """The names of the attributes the layers of one kind differ in (their index: what the
-    structure key leaves out), by their last component (``layer_idx``)."""
-    values = [dict(_attributes(m)) for m in group]
-    paths = set().union(*values) if values else set()
-    return frozenset(p.rsplit(".", 1)[-1] for p in paths
-                     if len({repr(v.get(p, _MISSING)) for v in values}) > 1)
-
-
-_MISSING = object()
-
-
 def _attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
     out = []
     for path, m in module.named_modules(remove_duplicate=False):
@@ -250,11 +238,14 @@ def _not_reusable(model: torch.nn.Module) -> str:
 
 
 def _kinds(model: torch.nn.Module, classes: Sequence[type]
-           ) -> tuple[list[list[torch.nn.Module]], dict[int, tuple[Any, ...]]]:
+           ) -> tuple[list[list[torch.nn.Module]], dict[int, tuple[Any, ...]], dict[int, frozenset[str]]]:
     """The instances of each class grouped by structure key (index attributes left out): one
-    group per kind of layer, in order of first appearance; and each instance's key by ``id``."""
+    group per kind of layer, in order of first appearance; each instance's key by ``id``; and per
+    group (by its place) the names, by their last component, of the index attributes its key
+    left out — all its layers may differ in."""
     out: list[list[torch.nn.Module]] = []
     key_of: dict[int, tuple[Any, ...]] = {}
+    left_out: dict[int, frozenset[str]] = {}
     for cls in classes:
         ms = [m for m in model.modules() if type(m) is cls]
         skip = _index_attributes(ms)
@@ -262,8 +253,10 @@ def _kinds(model: torch.nn.Module, classes: Sequence[type]
         for m in ms:
             key_of[id(m)] = structure_key(m, skip)
             groups.setdefault(key_of[id(m)], []).append(m)
-        out += groups.values()
-    return out, key_of
+        for group in groups.values():
+            left_out[len(out)] = frozenset(p.rsplit(".", 1)[-1] for p in skip)
+            out.append(group)
+    return out, key_of, left_out
 
 
 def _owner(weights: Sequence[str], instances: dict[str, torch.nn.Module]) -> str | None:
@@ -288,14 +281,13 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
         return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
     block = layer_calls.Block()
     try:
-        kinds, key_of = _kinds(owner, classes)
+        kinds, key_of, differing = _kinds(owner, classes)
         with layer_calls.stamping(kinds) as block:
             captured = capture(model, example_inputs, dynamic_dims, params_of=params_of)
         with gc_paused():
             if _kinds(owner, classes)[1] != key_of:  # (the trace ran the model: what it set shows)
                 raise CaptureError("a layer's attributes changed while the model ran (set by its "
                                    "forward, a hook or the model between layers)")
-            differing = {k: _differing(group) for k, group in enumerate(kinds)}
             captured, stamped = stamp_out(captured, owner, block, differing)
             calls, bodies = _prove(captured, owner, classes, key_of)
             regions.inline_regions(captured.gm)
