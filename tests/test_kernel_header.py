@@ -1,5 +1,6 @@
-"""aotc's precompiled header for the batched kernels, and the ISA probes built beside it while
-Dynamo traces (aotc._torch.kernel_header, isa_probes.probe_builds): real g++ runs, real compiles.
+"""aotc's precompiled header for the batched kernels, how a batch is built with it, and the ISA
+probes built beside it while Dynamo traces (aotc._torch.kernel_header, batch_build,
+isa_probes.probe_builds): real g++ runs, real compiles.
 
 The header is a cost moved onto an idle core; what must hold: a batch built with it (or racing
 it) serves the same numbers, the key does not depend on it, nothing of it outlives the compile,
@@ -11,12 +12,13 @@ from __future__ import annotations
 import shlex
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from aotc._torch import isa_probes, kernel_header
+from aotc._torch import batch_build, isa_probes, kernel_header
 from aotc._torch.kernel_header import HEAD, OUT, SRC
 
 TEMPLATE = (f"g++ {SRC} -D X -O3 -march=native -shared -fPIC -Wall -std=c++20 -I/inc "
@@ -32,11 +34,11 @@ def test_the_header_is_built_by_the_kernels_command_as_a_header_and_nothing_link
 
 def test_a_batch_takes_the_header_only_when_nothing_before_its_prefix_could_change_it() -> None:
     body = ["namespace aotc_k0 {", "}"]
-    assert kernel_header._usable("\n".join([HEAD[0], HEAD[1], "#include <cstring>", HEAD[2], "#include <sstream>",
+    assert batch_build._usable("\n".join([HEAD[0], HEAD[1], "#include <cstring>", HEAD[2], "#include <sstream>",
                                             *body]))
-    assert not kernel_header._usable("\n".join([HEAD[0], HEAD[1], *body]))  # no cpp_prefix.h
-    assert not kernel_header._usable("\n".join([HEAD[0], "#define likely(x) x", HEAD[1], HEAD[2], *body]))
-    assert not kernel_header._usable("\n".join([HEAD[0], HEAD[2], *body]))  # no Python.h
+    assert not batch_build._usable("\n".join([HEAD[0], HEAD[1], *body]))  # no cpp_prefix.h
+    assert not batch_build._usable("\n".join([HEAD[0], "#define likely(x) x", HEAD[1], HEAD[2], *body]))
+    assert not batch_build._usable("\n".join([HEAD[0], HEAD[2], *body]))  # no Python.h
 
 
 @pytest.fixture
@@ -110,7 +112,7 @@ def test_kernels_built_with_the_header_or_racing_it_serve_the_same_numbers(machi
     got, want = _compile_tiny(machine_tmp / "race")
     # raced, or built already if the compile reached its batch later than the header ended; never
     # "plain" (that would say the predicted command is not the one the kernels are built with)
-    assert kernel_header.last_build() in ("raced: with the header", "raced: without the header", "header")
+    assert batch_build.last_build() in ("raced: with the header", "raced: without the header", "header")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # built: the batch includes it first
     job = kernel_header.start(template)  # None: built already (it won the race)
@@ -119,7 +121,8 @@ def test_kernels_built_with_the_header_or_racing_it_serve_the_same_numbers(machi
         assert job.ok, "the header did not build"
     assert (kernel_header.header_dir(template) / "head.h.gch").is_file()
     got, want = _compile_tiny(machine_tmp / "built")
-    assert kernel_header.last_build() == "header"
+    # its kernels in parts, one compiler run per core (this machine has two)
+    assert batch_build.last_build() == ("header, in parts" if _cores() > 1 else "header")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # the header is used: g++ says so (-H marks a precompiled header it loads with "!")
     head = kernel_header.header_dir(template) / "head.h"
@@ -129,6 +132,68 @@ def test_kernels_built_with_the_header_or_racing_it_serve_the_same_numbers(machi
     res = subprocess.run([*shlex.split(cmd), "-H"], capture_output=True, text=True, cwd=machine_tmp)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"! {head}.gch" in res.stderr, "g++ parsed the header's text instead of loading it"
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def test_a_batch_is_parted_by_cores_balanced_by_source_length(monkeypatch) -> None:
+    import os
+
+    from aotc._torch.kernel_batch import _parts
+
+    sources = {"a": "x" * 900, "b": "x" * 500, "c": "x" * 450, "d": "x" * 100}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert _parts(list(sources), sources) == [["a", "d"], ["b", "c"]]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert _parts(list(sources), sources) == [["a"], ["b"], ["c"], ["d"]]  # at most one part a kernel
+    assert len(_parts([f"k{i}" for i in range(9)], {f"k{i}": "x" for i in range(9)})) == 4  # at most 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert _parts(list(sources), sources) == [["a", "b", "c", "d"]]  # one core: one run
+
+
+def _tiny_library_command(tmp: Path, name: str) -> tuple[str, Path]:
+    src, lib = tmp / f"{name}.cpp", tmp / f"{name}.so"
+    src.write_text(f'extern "C" int {name}() {{ return 1; }}\n')
+    return f"g++ -shared -fPIC {src} -o {lib}", lib
+
+
+@pytest.mark.parametrize("header_seconds", [100.0, 0.001])
+def test_a_plain_build_young_enough_is_killed_for_the_parts_when_the_header_ends(tmp_path, header_seconds) -> None:
+    # the header just ended (it took header_seconds); the plain batch build (here: one that
+    # would run for a minute) started a moment ago. A long header: the plain build has a long
+    # way to go, it is killed and the parts are built with the header. A short one: the plain
+    # build is near its end — it races the whole batch with the header, as before
+    job = kernel_header._Job(tmp_path / "hdr")
+    job.ok, job.seconds = True, header_seconds
+    job.done.set()
+    parts = [_tiny_library_command(tmp_path, n) for n in ("p0", "p1")]
+    whole, whole_lib = _tiny_library_command(tmp_path, "whole")
+    kept: list[str] = []
+    t = time.perf_counter()
+    in_parts = batch_build._race("sleep 60", whole, job, tmp_path, lambda: kept.append("whole"),
+                                   [c for c, _ in parts])
+    assert time.perf_counter() - t < 30, "the plain build was waited for"
+    if header_seconds > 1:
+        assert in_parts and batch_build.last_build() == "raced: the header, in parts"
+        assert all(lib.is_file() for _, lib in parts) and not kept
+    else:
+        assert not in_parts and batch_build.last_build() == "raced: with the header"
+        assert kept == ["whole"] and whole_lib.is_file()
+    assert not subprocess.run(["pgrep", "-f", "^sleep 60$"], capture_output=True).stdout, "a build outlived the race"
+
+
+def test_a_part_that_fails_sends_the_race_back_to_the_plain_build(tmp_path) -> None:
+    job = kernel_header._Job(tmp_path / "hdr")
+    job.ok, job.seconds = True, 100.0
+    job.done.set()
+    good, _ = _tiny_library_command(tmp_path, "p0")
+    plain, plain_lib = _tiny_library_command(tmp_path, "plain")
+    assert not batch_build._race(plain, "false", job, tmp_path, lambda: None, [good, "false"])
+    assert batch_build.last_build() == "raced: without the header" and plain_lib.is_file()
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import kernel_header
+from aotc._torch import batch_build
 
 __all__ = ["KernelBatch", "batched_builds"]
 
@@ -222,29 +222,58 @@ def _link_at_every_path(lib: Path, every: list[tuple[Any, str, Path, Path]]) -> 
 def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: Any,
                every: list[tuple[Any, str, Path, Path]]) -> bool:
     """Build ``members`` (distinct kernels) as one library, linked at the path of each of
-    ``every`` (the members and their copies in other cache dirs); False if it did not build."""
+    ``every`` (the members and their copies in other cache dirs) — or, where the header makes
+    that faster (:func:`aotc._torch.batch_build.build`), as one library per part of them
+    (:func:`_parts`), each linked at its own members' paths; False if it did not build."""
     first_out = members[0][3]
-    text = combine([(out.name, src.read_text(encoding="utf-8")) for _, _, src, out in members])
+    sources = {out.name: src.read_text(encoding="utf-8") for _, _, src, out in members}
+    text = combine(list(sources.items()))
     if text is None:
         return False
     stem = first_out.name.removesuffix(".so")
     src = first_out.with_name(f".{stem}.batch{os.getpid()}.cpp")
     lib = first_out.with_name(f".{stem}.batch{os.getpid()}.so")
     build_dir = first_out.with_name(f".{stem}.batch{os.getpid()}.build")
+    groups = _parts([out.name for _, _, _, out in members], sources)
+    texts = [combine([(n, sources[n]) for n in g]) for g in groups]
+    parts = [(t, src.with_name(f"{src.stem}.part{i}.cpp"), lib.with_name(f"{lib.stem}.part{i}.so"))
+             for i, t in enumerate(texts) if t is not None] if len(groups) > 1 else []
+    parts = parts if len(parts) == len(groups) else []
     try:
         src.write_text(text, encoding="utf-8")
         build_dir.mkdir(exist_ok=True)
-        try:
-            kernel_header.build(command, text, src, lib, build_dir, run)  # with aotc's header if built
+        try:  # with aotc's header if built
+            in_parts = batch_build.build(command, text, src, lib, build_dir, run, parts)
         except Exception:  # noqa: BLE001 - built one by one instead (a kernel's own error shows there)
             return False
-        _link_at_every_path(lib, every)
+        if in_parts:
+            for names, (_, _, part_lib) in zip(groups, parts):
+                _link_at_every_path(part_lib, [m for m in every if m[3].name in names])
+        else:
+            _link_at_every_path(lib, every)
         return True
     finally:
-        for p in (src, lib):
+        for p in (src, lib, *(part_lib for _, _, part_lib in parts)):
             p.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             build_dir.rmdir()
+
+
+def _parts(names: list[str], sources: dict[str, str]) -> list[list[str]]:
+    """The kernels ``names`` in as many parts as this process has cores (at most 4, at least
+    one kernel each), balanced by source length (largest first, each to the lightest part)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    n = max(1, min(cores, len(names), 4))
+    groups: list[list[str]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for name in sorted(names, key=lambda k: -len(sources[k])):
+        i = sizes.index(min(sizes))
+        groups[i].append(name)
+        sizes[i] += len(sources[name])
+    return groups
 
 
 class _Lazy:

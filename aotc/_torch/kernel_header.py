@@ -13,11 +13,10 @@ idles (the trace is one Python thread): 3.5 s at 0.5B.
 What. When Dynamo starts compiling in a process that resolved aotc's backend (:func:`speculate`,
 from a Dynamo start callback), on a machine without the header for the command the kernels will
 be built with (predicted: the CPU's vector ISA, the backend's options), the header's g++ run
-starts at the lowest priority (``nice 19``: it takes idle time only). When the batch is built
-(:func:`build`): the header built → included first; still building → the batch builds without
-it and, if the header ends first, once more with it: whichever build ends first is kept, the
-other killed; none → as before. The kernels are the same text either way (the header holds only
-lines the batch opens with), so the key and the artifacts do not depend on it.
+starts at the lowest priority (``nice 19``: it takes idle time only). How the batch is then built
+with it, racing it or without it is :mod:`aotc._torch.batch_build`'s. The kernels are the same
+text either way (the header holds only lines the batch opens with), so the key does not depend
+on it.
 
 Where. Kept per machine beside Inductor's own headers (``$TMPDIR/torchinductor_$USER/aotc-pch``),
 by the kernel command, the header's lines and the toolchain it was parsed from — the machine's
@@ -40,7 +39,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -52,15 +50,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEAD", "build", "cancel", "header_dir", "keep_headers", "kernel_command_template", "last_build",
-           "speculate", "start"]
+__all__ = ["HEAD", "cancel", "header_dir", "job_for", "keep_headers", "kernel_command_template", "kill", "popen",
+           "reap", "speculate", "start"]
 
 SRC, OUT = "\0SRC\0", "\0OUT\0"  # a kernel command's source and library, as kernel_batch marks them
 
 # What the header holds: the lines every Inductor CPU kernel (a Python binding) opens with.
 HEAD = ("#define PY_SSIZE_T_CLEAN", "#include <Python.h>", "#include <torch/csrc/inductor/cpp_prefix.h>")
-# lines a batch may have before its ``cpp_prefix.h`` include and still take the header first
-_BEFORE_PREFIX = re.compile(r"^(#define PY_SSIZE_T_CLEAN|#include <[A-Za-z_0-9]+(\.h)?>)$")
 
 _log = logging.getLogger("aotc.kernel_header")
 _lock = threading.Lock()
@@ -75,6 +71,12 @@ class _Job:
 
     def __init__(self, directory: Path) -> None:
         self.dir, self.done, self.ok = directory, threading.Event(), False
+        self.seconds: float | None = None  # how long its g++ run took (None: built by another process)
+
+
+def job_for(directory: Path) -> _Job | None:
+    """This process's header build for ``directory`` (running or ended), if it started one."""
+    return _jobs.get(directory)
 
 
 def keep_headers(machine: str) -> None:
@@ -111,7 +113,7 @@ def _header_argv(template: str, head: Path, out: Path) -> list[str] | None:
     return argv
 
 
-def _popen(argv: list[str], cwd: Path, background: bool) -> subprocess.Popen[bytes] | None:
+def popen(argv: list[str], cwd: Path, background: bool) -> subprocess.Popen[bytes] | None:
     """Start ``argv`` in a session of its own (killed with its children); a ``background`` run
     (a header build) at the lowest priority, tracked for :func:`cancel`, and not after it."""
     nice = shutil.which("nice") if background else None
@@ -125,7 +127,7 @@ def _popen(argv: list[str], cwd: Path, background: bool) -> subprocess.Popen[byt
     return p
 
 
-def _reap(p: subprocess.Popen[bytes]) -> int:
+def reap(p: subprocess.Popen[bytes]) -> int:
     try:
         return p.wait()
     finally:
@@ -133,7 +135,7 @@ def _reap(p: subprocess.Popen[bytes]) -> int:
             _background.discard(p)
 
 
-def _kill(p: subprocess.Popen[bytes]) -> None:
+def kill(p: subprocess.Popen[bytes]) -> None:
     """End a run and what it started: TERM first (the g++ driver then removes its temporary
     files), KILL a second later."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -142,7 +144,7 @@ def _kill(p: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(1.0)
             break
-    _reap(p)
+    reap(p)
 
 
 Before = Sequence[tuple[list[str], Path, Path]]  # g++ runs to make first: (argv, partial file, final file)
@@ -153,11 +155,11 @@ def _run_before(before: Before, done: threading.Event | None) -> None:
     whole; ``done`` set after them, however they end."""
     try:
         for argv, partial, final in before:
-            p = _popen(argv, final.parent, background=True)
+            p = popen(argv, final.parent, background=True)
             if p is None:
                 return
             try:
-                if _reap(p) == 0 and partial.is_file():
+                if reap(p) == 0 and partial.is_file():
                     os.replace(partial, final)
             finally:
                 partial.unlink(missing_ok=True)
@@ -185,10 +187,11 @@ def _build_header(job: _Job, template: str, before: Before, before_done: threadi
                 os.replace(tmp, head)
                 argv = _header_argv(template, head, partial)
                 t = time.perf_counter()
-                p = _popen(argv, job.dir, background=True) if argv else None
-                if p is None or _reap(p) != 0 or not partial.is_file():
+                p = popen(argv, job.dir, background=True) if argv else None
+                if p is None or reap(p) != 0 or not partial.is_file():
                     return
                 os.replace(partial, job.dir / "head.h.gch")
+                job.seconds = time.perf_counter() - t
                 _log.debug("aotc: kernels' precompiled header built in %.2fs (%s)", time.perf_counter() - t, job.dir)
             job.ok = True
     except OSError:
@@ -235,7 +238,7 @@ def cancel() -> None:
         _state["cancelled"] = True
         procs, threads = list(_background), list(_threads)
     for p in procs:
-        _kill(p)
+        kill(p)
     for thread in threads:
         thread.join()
     with _lock:
@@ -298,88 +301,3 @@ def speculate(options: dict[str, Any], machine: Callable[[], str | None]) -> Non
             start(template, before, done)
     except Exception:  # noqa: BLE001 - a speculation: the probes and kernels build as before
         return
-
-
-def _usable(text: str) -> bool:
-    """Whether the batch ``text`` opens with the header's lines, nothing before its
-    ``cpp_prefix.h`` but those and standard headers (so the header, parsed first, means what
-    the text means)."""
-    lines = text.splitlines()
-    if HEAD[2] not in lines or not all(h in lines for h in HEAD):
-        return False
-    return all(_BEFORE_PREFIX.match(line) for line in lines[:lines.index(HEAD[2])])
-
-
-def build(template: str, text: str, src: Path, lib: Path, cwd: Path, run: Callable[..., None]) -> None:
-    """Build the batch ``text`` (written at ``src``) into ``lib`` by ``template`` (``run`` is
-    Inductor's ``run_compile_cmd``); with the header where it is built or being built (module
-    doc). Raises as ``run`` does when the batch does not build."""
-    plain = template.replace(SRC, str(src)).replace(OUT, str(lib))
-    directory = header_dir(template) if _usable(text) else None
-    job = _jobs.get(directory) if directory is not None else None
-    ready = directory is not None and (directory / "head.h.gch").is_file()
-    if not ready and (job is None or job.done.is_set()):
-        _state["last"] = "plain"
-        run(plain, cwd=str(cwd))
-        return
-    assert directory is not None
-    with_src, with_lib = src.with_name(f"{src.stem}.pch.cpp"), lib.with_name(f"{lib.stem}.pch.so")
-    with_cmd = template.replace(SRC, str(with_src)).replace(OUT, str(with_lib))
-    try:
-        with_src.write_text(f'#include "{directory / "head.h"}"\n' + text, encoding="utf-8")
-        if ready:
-            _state["last"] = "header"
-            try:
-                run(with_cmd, cwd=str(cwd))
-            except Exception:  # noqa: BLE001 - built without the header instead
-                _state["last"] = "plain"
-                run(plain, cwd=str(cwd))
-                return
-            os.replace(with_lib, lib)
-            return
-        assert job is not None
-        t = time.perf_counter()
-        _race(plain, with_cmd, job, cwd, lambda: os.replace(with_lib, lib))
-        _log.debug("aotc: kernel batch %s in %.2fs", _state.get("last"), time.perf_counter() - t)
-    finally:
-        with_src.unlink(missing_ok=True)
-        with_lib.unlink(missing_ok=True)
-
-
-def last_build() -> str | None:
-    """How this process's last kernel batch was built: ``header``, ``plain``, ``raced: with the
-    header`` or ``raced: without the header`` (tests, logs)."""
-    return _state.get("last")
-
-
-def _race(plain: str, with_cmd: str, job: _Job, cwd: Path, keep_with: Callable[[], None]) -> None:
-    """The batch built without the header and, once the header is built, with it: the first
-    build to succeed is kept, the other killed. Raises when neither builds."""
-    mine = _popen(shlex.split(plain), cwd, background=False)
-    assert mine is not None  # a foreground run always starts
-    other: subprocess.Popen[bytes] | None = None
-    tried = False  # the build with the header: started once at most
-    try:
-        while True:
-            code = mine.poll()
-            if code == 0:
-                _state["last"] = "raced: without the header"
-                return
-            if not tried and job.done.is_set():
-                tried = True
-                other = _popen(shlex.split(with_cmd), cwd, background=False) if job.ok else None
-            if other is not None and other.poll() is not None:
-                if other.returncode == 0:
-                    _state["last"] = "raced: with the header"
-                    keep_with()
-                    return
-                other = None
-            if code is not None and tried and other is None:
-                raise subprocess.CalledProcessError(code, plain)
-            time.sleep(0.01)
-    finally:
-        for p in (mine, other):
-            if p is not None and p.poll() is None:
-                _kill(p)
-            elif p is not None:
-                _reap(p)
