@@ -6,6 +6,7 @@ Real Dynamo traces (no compile): quick."""
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -113,6 +114,37 @@ def test_a_layer_that_differs_is_a_kind_of_its_own():
     # layers 0 and 4 share a body; 1 and 2 are regions called once (Dynamo inlines those); 3 inline
     assert (report.calls, report.bodies, report.fallback) == (2, 1, ""), report
     assert _same_as_eager(captured, model, inputs) == 0.0
+
+
+class _Processor:
+    """As diffusers' attention processors: one object per layer, the same class and attributes."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+
+def test_equal_dicts_methods_and_small_objects_do_not_split_kinds():
+    """A client corpus found identical layers keyed apart, so never stamped out: peft's
+    per-layer ``r``/``scaling`` dicts and ``kwargs`` naming the layer, torchao's per-instance
+    ``extra_repr`` bound to the layer, diffusers' per-layer processor objects. Equal values now
+    key alike (a name differing by the layer's index is left out, as the index is); other values
+    do not."""
+    model, _ = _toy(4)
+
+    def extra_repr(self):
+        return "quantized"
+
+    for i, layer in enumerate(model.layers):
+        layer.r, layer.processor = {"default": 8}, _Processor()
+        layer.gate_proj.extra_repr = types.MethodType(extra_repr, layer.gate_proj)
+        # peft's per-layer kwargs name the layer: left out as its index is
+        layer.gate_proj.kwargs = {"target_name": f"model.layers.{i}.gate_proj", "loaded_in_8bit": False}
+    kinds, _, left_out = repeated._kinds(model, [tl.Layer])
+    assert len(kinds) == 1 and left_out[0] == {"kwargs"}
+    model.layers[1].r = {"default": 16}  # another rank
+    model.layers[2].processor = _Processor(0.5)  # another processor setting
+    model.layers[3].gate_proj.extra_repr = types.MethodType(extra_repr, model.layers[0].gate_proj)  # bound elsewhere
+    assert sorted(len(k) for k in repeated._kinds(model, [tl.Layer])[0]) == [1, 1, 1, 1]
 
 
 def test_layer_index_attribute_does_not_split_kinds():
@@ -368,14 +400,63 @@ class _LaterAutocast(_Net):
         return x
 
 
+_MODE = 1.0  # a module-level global _ChangesState sets between layers
+
+
+class _Shared:
+    def __init__(self) -> None:
+        self.mode = 1.0
+
+
+class _Moded(_Scale):
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.scale, self.state = 1.0, state
+
+    def forward(self, x):
+        return x * self.w * _MODE * self.scale * self.state.mode
+
+
+class _ChangesState(_Net):
+    """Between layers: a global, a shared object's attribute, or each layer's attribute (reset
+    after the loop: the layers' structure keys read after the trace are as before it)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(False)
+        self.what, self.state = what, _Shared()
+        self.layers = torch.nn.ModuleList(_Moded(self.state) for _ in range(5))
+
+    def forward(self, x):
+        global _MODE
+        for i, layer in enumerate(self.layers):
+            value = 3.0 if i >= 2 else 1.0
+            if self.what == "global":
+                _MODE = value
+            elif self.what == "shared":
+                self.state.mode = value
+            else:
+                layer.scale = value
+            x = layer(x)
+        _MODE, self.state.mode = 1.0, 1.0
+        for layer in self.layers:
+            layer.scale = 1.0
+        return x
+
+
 @reuses
-@pytest.mark.parametrize("case", ["same tensor twice", "index read", "attribute set", "autocast"])
+@pytest.mark.parametrize("case", ["same tensor twice", "index read", "attribute set", "autocast",
+                                  "global", "shared", "set and reset"])
 def test_what_a_stamped_layer_would_get_wrong_is_traced_plainly(case):
-    """Found by a review, each a wrong answer before it was checked: a layer given one tensor
+    """Found by reviews, each a wrong answer before it was checked: a layer given one tensor
     twice (a body then takes one for the other, Dynamo's own reuse too), a body that reads the
-    layer's index, an attribute the model sets between layers, autocast around later layers."""
+    layer's index, an attribute the model sets between layers, autocast around later layers; a
+    global, a shared object's attribute or a layer's attribute the model changes between layers
+    and puts back after them (a client corpus: served wrong where the numeric check's inputs did
+    not show it)."""
     x = torch.randn(5, 4)
-    if case == "same tensor twice":
+    if case in ("global", "shared", "set and reset"):
+        model, why = _ChangesState(case), "between its layers"
+    elif case == "same tensor twice":
         model, why = _GivenTwice(), "same tensor in two places"
     elif case == "index read":
         model, why = _Net(False), "body reads ['layer_idx']"

@@ -23,6 +23,7 @@ Tested on torch 2.13 (2.11 has no region reuse: :func:`aotc._torch.regions.suppo
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,8 @@ class Block:
     outputs: dict[int, Any] = field(default_factory=dict, repr=False)  # kind -> its first traced call's fake outputs
     ambient: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # slot -> the global state it was called in
     read: dict[int, frozenset[str] | None] = field(default_factory=dict)  # kind -> attribute names its body read
+    # slot -> what the model had changed by its call (layer_calls._changed_state)
+    changed: dict[int, tuple[tuple[str, Any], ...] | None] = field(default_factory=dict)
 
 
 _BLOCK = Block()
@@ -98,18 +101,67 @@ def _attributes_read() -> frozenset[str] | None:
                     tail = source.name.rsplit(".", 1)
                     if len(tail) == 2 and tail[1].isidentifier():
                         names.add(tail[1])
+                    item = re.search(r"\['([A-Za-z_][A-Za-z0-9_]*)'\]$", source.name)  # vars(self)['layer_idx']
+                    if item:
+                        names.add(item.group(1))
         return frozenset(names)
     except Exception:  # noqa: BLE001 - torch's internals differ: read as "unknown"
         return None
 
 
+def _readable(source: str) -> str:
+    """A Dynamo source's name as a Python path (``L['self']._modules['layers']._modules['0'].scale``
+    → ``self.layers.0.scale``; a global of another module, ``G['__import_m'].X`` → ``m.X``)."""
+    source = re.sub(r"\._modules\['([^']+)'\]", r".\1", source)
+    source = re.sub(r"^G\['__import_([^']+)'\]\.", r"\1.", source)
+    return re.sub(r"^[GL]\['([^']+)'\]", r"\1", source)
+
+
+def _changed_state() -> tuple[tuple[str, Any], ...] | None:
+    """The state that existed before the trace and that the model has changed so far, as Dynamo
+    has traced it (it records each change to replay after the graph): every attribute of a module
+    or any object and every module-level global stored to, with the value it holds now (a constant
+    by value, anything else by the traced value's identity), every outer list or dict changed,
+    with its items; None where this torch keeps them otherwise. Equal at two layers' calls: the
+    model changed nothing between them that a layer could read."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationExisting
+
+        effects = InstructionTranslator.current_tx().output.side_effects
+        out: list[tuple[str, Any]] = []
+        for item, stored in effects.store_attr_mutations.items():
+            if isinstance(item.mutation_type, AttributeMutationExisting) and item.source is not None:
+                owner = "" if type(item.source).__name__ == "GlobalSource" else _readable(str(item.source.name)) + "."
+                out += [(owner + name, _token(value)) for name, value in stored.items()]
+        for var in effects.id_to_variable.values():
+            if (var.source is not None and not effects.is_attribute_mutation(var)
+                    and effects.is_modified(var)):
+                items = getattr(var, "items", ())
+                out.append((_readable(str(var.source.name)), tuple(id(v) for v in (
+                    items.values() if isinstance(items, dict) else items))))
+        return tuple(sorted(out, key=lambda kv: kv[0]))
+    except Exception:  # noqa: BLE001 - torch's internals differ: read as "unknown"
+        return None
+
+
+def _token(value: Any) -> Any:
+    try:
+        if value.is_python_constant():
+            return ("constant", repr(value.as_python_constant()))
+    except Exception:  # noqa: BLE001 - not a constant after all
+        pass
+    return ("traced", id(value))
+
+
 def layer_exit(slot: int, out: Any, *args: Any, **kwargs: Any) -> Any:
     """``out`` as given (a ``TRACED`` layer's result); the arguments its layer was called with
     ride along for the stamp-out. At trace time: the global state it was called in; for the
-    kind's first call its fake outputs, for its second the attributes its body read."""
+    kind's first call its fake outputs, for its second the attributes its body read; for each, the
+    state the model had changed by then (:func:`_changed_state`)."""
     s = _BLOCK.slots[slot]
     if _is_fake(out):
-        _BLOCK.ambient[slot] = ambient()
+        _BLOCK.ambient[slot], _BLOCK.changed[slot] = ambient(), _changed_state()
         if s.position == 0:
             _BLOCK.outputs[s.kind] = out
         elif s.position == 1:
@@ -124,7 +176,7 @@ def layer_call(slot: int, *args: Any, **kwargs: Any) -> Any:
     s = _BLOCK.slots[slot]
     if not _is_fake((args, kwargs)):
         return s.forward(s.module, *args, **kwargs)
-    _BLOCK.ambient[slot] = ambient()
+    _BLOCK.ambient[slot], _BLOCK.changed[slot] = ambient(), _changed_state()
     if s.kind not in _BLOCK.outputs:
         _BLOCK.refused = f"a {type(s.module).__name__} is called before its kind's first layer"
         raise RuntimeError(_BLOCK.refused)

@@ -344,10 +344,20 @@ def _describe_model_error(e: BaseException) -> str:
 
 
 def _describe_dynamo_error(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
+    """Dynamo's graph break in one line: what broke (for a nested compile region's, torch's
+    wrapper error, the break inside it), torch's explanation, and the user frame it was in."""
+    msg = [line.strip() for line in str(e).strip().splitlines()]
     head = getattr(e, "gb_type", None) or (msg[0] if msg else type(e).__name__)
+    if msg and msg[0].endswith("Got graph break/error:"):  # a region's trace: what broke inside it
+        inner = next((line for line in msg[1:] if line), "")
+        head = f"inside a nested compile region: {inner}" if inner else head
+    why = next((line[len("Explanation:"):].strip() for line in msg if line.startswith("Explanation:")), "")
+    why = why.split(" Found in <", 1)[0]  # (torch names the operator object there)
+    if why and why not in head:
+        head = f"{head} ({why[:200]})"
     where = ""
-    stack = getattr(e, "real_stack", None)
+    stack = [fr for fr in getattr(e, "real_stack", None) or () if not is_toolchain_file(fr.filename)
+             and "/aotc/" not in fr.filename.replace(os.sep, "/")]
     if stack:
         fr = stack[-1]
         where = f"{fr.filename}:{fr.lineno}: "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import re
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -113,10 +114,16 @@ def _inside(model: torch.nn.Module, module: torch.nn.Module, outer: type) -> boo
                for o in model.modules())
 
 
-def _value(v: Any, depth: int = 0) -> Any:
+_BY_VALUE_AT_MOST = 64  # a container or object compared by value holds at most this many items
+
+
+def _value(v: Any, depth: int = 0, holder: Any = None) -> Any:
     """An attribute's value as the key holds it: primitives, dtypes, enums, functions (by code
-    and closure) and ``functools.partial`` by value; anything else by identity (the same
-    object, not an equal one)."""
+    and closure), ``functools.partial``, small dicts with primitive keys (peft's per-adapter
+    ``r``, ``scaling``), methods bound to ``holder`` (the module holding the attribute: torchao's
+    per-instance ``extra_repr``) and small plain objects of a Python class (diffusers' attention
+    processors: class and attributes) by value; anything else by identity (the same object, not
+    an equal one)."""
     if isinstance(v, _PRIMITIVE):
         return v
     if isinstance(v, enum.Enum):
@@ -124,15 +131,35 @@ def _value(v: Any, depth: int = 0) -> Any:
     if isinstance(v, (torch.dtype, torch.device)):
         return str(v)
     if depth < 4:
-        if isinstance(v, (tuple, list)):
+        if isinstance(v, (tuple, list)) and len(v) <= _BY_VALUE_AT_MOST:
             return (type(v).__name__, tuple(_value(x, depth + 1) for x in v))
+        if (type(v) is dict and len(v) <= _BY_VALUE_AT_MOST
+                and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in v)):
+            return ("dict", tuple(sorted(((type(k).__name__, k), _value(x, depth + 1)) for k, x in v.items())))
         if isinstance(v, functools.partial):
             return ("partial", _value(v.func, depth + 1), _value(v.args, depth + 1),
                     tuple(sorted((k, _value(x, depth + 1)) for k, x in v.keywords.items())))
         if isinstance(v, types.FunctionType):
             cells = tuple(_value(c.cell_contents, depth + 1) for c in v.__closure__ or ())
             return ("function", id(v.__code__), cells, _value(v.__defaults__, depth + 1))
+        if isinstance(v, types.MethodType):
+            bound = "holder" if holder is not None and v.__self__ is holder else ("object", id(v.__self__))
+            return ("method", _value(v.__func__, depth + 1), bound)
+        if _plain_object(v):
+            return ("instance", _qualname(type(v)),
+                    tuple(sorted((k, _value(x, depth + 1)) for k, x in vars(v).items())))
     return ("object", id(v))
+
+
+def _plain_object(v: Any) -> bool:
+    """An instance of a Python class (not a module, tensor or type) whose state is its few
+    attributes: compared by class and attributes."""
+    cls = type(v)
+    return (not isinstance(v, (torch.nn.Module, torch.Tensor, type, types.ModuleType))
+            and getattr(cls, "__module__", "builtins") not in ("builtins", "torch")
+            and not cls.__module__.startswith("torch.")
+            and "__slots__" not in vars(cls) and isinstance(getattr(v, "__dict__", None), dict)
+            and len(vars(v)) <= _BY_VALUE_AT_MOST)
 
 
 def _tensor(t: torch.Tensor) -> Any:
@@ -158,21 +185,59 @@ def structure_key(module: torch.nn.Module, skip: frozenset[str] = frozenset()) -
                 if path:  # a submodule's hooks run inside the body
                     out.append((where, tuple(id(h) for h in v.values()) if hasattr(v, "values") else _value(v)))
                 continue
-            out.append((where, _value(v)))
+            out.append((where, _value(v, holder=m)))
     return tuple(out)
 
 
 def _index_attributes(instances: Sequence[torch.nn.Module]) -> frozenset[str]:
-    """Attribute paths whose value is the instance's position plus a constant (``layer_idx``):
-    a layer's index, which a body that reads it has guarded on (Dynamo then traces that layer
-    on its own); left out of the structure key."""
+    """Attribute paths whose values differ only by the instance's position plus a constant: a
+    layer's index (``layer_idx``), or a name or dict holding it (peft's per-layer
+    ``kwargs["target_name"]``, ``"model.layers.3.self_attn.q_proj"``) — what a body that reads it
+    has guarded on (Dynamo then traces that layer on its own); left out of the structure key."""
     if len(instances) < 2:
         return frozenset()
     values = [dict(_attributes(m)) for m in instances]
     common = set(values[0]).intersection(*values[1:])
-    return frozenset(p for p in common if all(type(v[p]) is int for v in values)
-                     and len({v[p] - i for i, v in enumerate(values)}) == 1
-                     and values[0][p] != values[1][p])
+    out = set()
+    for p in common:
+        vs = [v[p] for v in values]
+        if type(vs[0]) is int and all(type(x) is int for x in vs):
+            if len({x - i for i, x in enumerate(vs)}) == 1 and vs[0] != vs[1]:
+                out.add(p)
+        elif _by_index(vs):
+            out.add(p)
+    return frozenset(out)
+
+
+def _by_index(vs: list[Any]) -> bool:
+    """Whether strings (or small dicts, lists and tuples of them) differ only by a number that is
+    each one's position plus the same constant."""
+    first = _numbers(vs[0])
+    for c in first:
+        marked = [_marked(v, str(c + i)) for i, v in enumerate(vs)]
+        if all(m == marked[0] for m in marked) and _value(vs[0]) != _value(vs[1]):
+            return True
+    return False
+
+
+def _numbers(v: Any, depth: int = 0) -> set[int]:
+    if isinstance(v, str):
+        return {int(n) for n in re.findall(r"(?<![0-9])[0-9]{1,6}(?![0-9])", v)}
+    if depth < 3 and isinstance(v, (dict, list, tuple)) and len(v) <= _BY_VALUE_AT_MOST:
+        return set().union(*(_numbers(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)))
+    return set()
+
+
+def _marked(v: Any, number: str, depth: int = 0) -> Any:
+    """``v`` as the structure key holds it (:func:`_value`), with ``number`` standing alone in its
+    strings (in small dicts, lists and tuples too) replaced by a mark."""
+    if isinstance(v, str):
+        return re.sub(rf"(?<![0-9]){number}(?![0-9])", "#", v)
+    if depth < 3 and type(v) is dict and len(v) <= _BY_VALUE_AT_MOST and all(isinstance(k, str) for k in v):
+        return ("dict", tuple((k, _marked(x, number, depth + 1)) for k, x in sorted(v.items())))
+    if depth < 3 and isinstance(v, (list, tuple)) and len(v) <= _BY_VALUE_AT_MOST:
+        return (type(v).__name__, tuple(_marked(x, number, depth + 1) for x in v))
+    return _value(v, depth)
 
 
 def _attributes(module: torch.nn.Module) -> list[tuple[str, Any]]:
@@ -259,6 +324,19 @@ def _kinds(model: torch.nn.Module, classes: Sequence[type]
     return out, key_of, left_out
 
 
+def _each_at_one_place(model: torch.nn.Module, classes: Sequence[type]) -> None:
+    """Raise where a layer instance is held at two places of the model (weights shared between
+    layers: it is called twice, and a body cannot be both its own and another's)."""
+    seen: dict[int, str] = {}
+    wanted = tuple(classes)
+    for path, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, wanted) and type(m) in wanted:
+            if id(m) in seen:
+                raise CaptureError(f"layer {seen[id(m)]!r} is also at {path!r} (one layer called at two "
+                                   "places): each layer traced")
+            seen[id(m)] = path
+
+
 def _owner(weights: Sequence[str], instances: dict[str, torch.nn.Module]) -> str | None:
     """The innermost marked instance holding every one of ``weights``, if any."""
     if not weights:
@@ -281,6 +359,7 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
         return capture(model, example_inputs, dynamic_dims, params_of=params_of), RegionReport(names, fallback=why)
     block = layer_calls.Block()
     try:
+        _each_at_one_place(owner, classes)
         kinds, key_of, differing = _kinds(owner, classes)
         with layer_calls.stamping(kinds) as block:
             captured = capture(model, example_inputs, dynamic_dims, params_of=params_of)
@@ -293,6 +372,6 @@ def capture_repeated(model: torch.nn.Module, example_inputs: list[torch.Tensor],
             regions.inline_regions(captured.gm)
         return captured, RegionReport(names, calls, bodies, stamped)
     except Exception as e:  # noqa: BLE001 - anything short of a proven graph: a plain trace, and why
-        reason = block.refused or f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        reason = block.refused or f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
     return (capture(model, example_inputs, dynamic_dims, params_of=params_of),
             RegionReport(names, fallback=f"regions of {', '.join(names)} not used: {reason}"))

@@ -77,7 +77,7 @@ class _Kind:
     metas: list[Any]
 
 
-def _hop_of(exit_node: torch.fx.Node) -> torch.fx.Node:
+def _hop_of(exit_node: torch.fx.Node, layer: str) -> torch.fx.Node:
     """The region call whose outputs a ``layer_exit`` hands on (each output one of its items)."""
     leaves = pytree.tree_leaves(exit_node.args[1])
     hops = {v.args[0] for v in leaves if isinstance(v, torch.fx.Node) and v.op == "call_function"
@@ -85,7 +85,8 @@ def _hop_of(exit_node: torch.fx.Node) -> torch.fx.Node:
     hop = next(iter(hops)) if len(hops) == 1 and len(leaves) == len(set(leaves)) else None
     if not isinstance(hop, torch.fx.Node) or not regions.is_region_call(hop) \
             or any(not isinstance(v, torch.fx.Node) or v.args[0] is not hop for v in leaves):
-        raise CaptureError(f"{exit_node.name}: a traced layer's result is not its region call's outputs")
+        raise CaptureError(f"Dynamo did not keep layer {layer!r} as a region (it traced it inline: a side effect "
+                           "in its forward, or an argument it specializes on, such as a Python number)")
     return hop
 
 
@@ -113,7 +114,8 @@ def _roles(hop: torch.fx.Node, exit_node: torch.fx.Node, path: str, fqn_of: dict
         elif not isinstance(op, torch.fx.Node) or isinstance(op.meta.get("example_value"), torch.SymInt):
             roles.append(("shared", op))
         else:
-            raise CaptureError(f"layer {path!r} reads {op.name} from outside its arguments and weights")
+            what = f"the weight {fqn!r} of another module" if fqn is not None else f"a tensor ({op.name})"
+            raise CaptureError(f"layer {path!r} reads {what} from outside its arguments and weights")
     return roles, spec, [_meta(a) for a in flat]
 
 
@@ -137,7 +139,9 @@ def _pattern(roles: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 def _checked_block(block: layer_calls.Block, differing: Mapping[int, frozenset[str]]) -> None:
     """What the trace itself told of each kind: every layer of it called in the same global
-    state (grad mode, autocast), and a kind with layers to stamp out has a body that read none of
+    state (grad mode, autocast); a kind with layers to stamp out called in a model that changes no
+    state of its own between them (an attribute, a global, an outer list: Dynamo replays such a
+    change after the graph, and a later layer may read it), and with a body that read none of
     the attributes its layers differ in (``differing``: their index, left out of the structure
     key — Dynamo guards it on the layers it traces, nothing does on a stamped one)."""
     for kind in {s.kind for s in block.slots if s.role != layer_calls.PLAIN}:
@@ -145,10 +149,25 @@ def _checked_block(block: layer_calls.Block, differing: Mapping[int, frozenset[s
         if len({block.ambient.get(n) for n in slots}) != 1:
             raise CaptureError("the layers of a kind are called under different grad or autocast modes")
         if any(block.slots[n].role == layer_calls.CALLED for n in slots):
+            _unchanged_between([block.changed.get(n) for n in slots])
             read = block.read.get(kind)
             if read is None or read & differing.get(kind, frozenset()):
                 raise CaptureError(f"a layer's body reads {sorted(differing.get(kind, ()))!r} or "
                                    "what it read is unknown: each layer traced")
+
+
+def _unchanged_between(states: list[tuple[tuple[str, Any], ...] | None]) -> None:
+    """Raise unless the model had changed the same state, to the same values, at each of a
+    kind's layers' calls (:func:`aotc._torch.layer_calls._changed_state`)."""
+    if any(s is None for s in states):
+        raise CaptureError("what the model changes while it runs is unknown (this torch): each layer traced")
+    first = dict(states[0] or ())
+    for state in states[1:]:
+        mine = dict(state or ())
+        if mine != first:
+            what = sorted(k for k in {*first, *mine} if first.get(k) != mine.get(k))[0]
+            raise CaptureError(f"the model changes {what} between its layers (a later layer may read "
+                               "it; a stamped layer would not see it): each layer traced")
 
 
 def _no_alias(node: torch.fx.Node, skip: int) -> None:
@@ -185,7 +204,7 @@ def stamp_out(captured: Captured, owner: torch.nn.Module, block: layer_calls.Blo
         if s.role != layer_calls.TRACED or s.position != 1:
             continue
         first, second = exits[n - 1], exits[n]
-        hops = [_hop_of(first), _hop_of(second)]
+        hops = [_hop_of(first, path_of[id(slots[n - 1].module)]), _hop_of(second, path_of[id(s.module)])]
         if len({(str(getattr(h.args[0], "target", "")), h.args[1]) for h in hops}) != 1:
             raise CaptureError(f"Dynamo did not reuse the body of {type(s.module).__name__} for its "
                                "second layer (side effects, or its guards differ)")
