@@ -143,7 +143,7 @@ def _cores() -> int:
 def test_a_batch_is_parted_by_cores_balanced_by_source_length(monkeypatch) -> None:
     import os
 
-    from aotc._torch.kernel_batch import _parts
+    from aotc._torch.kernel_batch import _parts, sharing_cores
 
     sources = {"a": "x" * 900, "b": "x" * 500, "c": "x" * 450, "d": "x" * 100}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
@@ -153,6 +153,10 @@ def test_a_batch_is_parted_by_cores_balanced_by_source_length(monkeypatch) -> No
     assert len(_parts([f"k{i}" for i in range(9)], {f"k{i}": "x" for i in range(9)})) == 4  # at most 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert _parts(list(sources), sources) == [["a", "b", "c", "d"]]  # one core: one run
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with sharing_cores(2):  # two compiles building at once (aotc compile's workers): a core each
+        assert _parts(list(sources), sources) == [["a", "b", "c", "d"]]
+    assert len(_parts(list(sources), sources)) == 2
 
 
 def _tiny_library_command(tmp: Path, name: str) -> tuple[str, Path]:

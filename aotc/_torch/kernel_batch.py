@@ -36,7 +36,7 @@ from typing import Any
 
 from aotc._torch import batch_build
 
-__all__ = ["KernelBatch", "batched_builds"]
+__all__ = ["KernelBatch", "batched_builds", "sharing_cores"]
 
 _KERNEL_DEF = re.compile(r'extern\s+"C"\s+void\s+kernel\(')
 _INIT_DEF = "PyMODINIT_FUNC PyInit_kernel(void)"
@@ -259,14 +259,31 @@ def _try_group(command: str, members: list[tuple[Any, str, Path, Path]], run: An
             build_dir.rmdir()
 
 
+_AT_ONCE = [1]  # compiles of this job building kernels at once (sharing_cores)
+
+
+@contextlib.contextmanager
+def sharing_cores(builds: int) -> Iterator[None]:
+    """Within the block (and in processes forked in it), ``builds`` compiles build kernels at once:
+    a batch is parted for its share of the cores only (a worker per core: one part each, as
+    before — more would only add each part's fixed cost, loading the header)."""
+    before = _AT_ONCE[0]
+    _AT_ONCE[0] = max(1, builds)
+    try:
+        yield
+    finally:
+        _AT_ONCE[0] = before
+
+
 def _parts(names: list[str], sources: dict[str, str]) -> list[list[str]]:
-    """The kernels ``names`` in as many parts as this process has cores (at most 4, at least
-    one kernel each), balanced by source length (largest first, each to the lightest part)."""
+    """The kernels ``names`` in as many parts as this compile's share of the process's cores
+    (:func:`sharing_cores`; at most 4, at least one kernel each), balanced by source length
+    (largest first, each to the lightest part)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    n = max(1, min(cores, len(names), 4))
+    n = max(1, min(cores // _AT_ONCE[0], len(names), 4))
     groups: list[list[str]] = [[] for _ in range(n)]
     sizes = [0] * n
     for name in sorted(names, key=lambda k: -len(sources[k])):

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aotc._torch import forked
+from aotc._torch import forked, kernel_batch
 from aotc._torch.compiler import PieceCompiler, as_fresh
 from aotc._torch.task_result import CompiledPiece, read_result, save_result
 from aotc.compile.forked_workers import ForkedWorker, TaskQueue
@@ -172,27 +172,28 @@ def compile_tasks(first_of: dict[str, Piece], tasks: list[Task], work: Path, pro
                   + (f", {resumed} resumed from {resumed_from(work)}" if resumed else ""))
     for task, c in found.items():
         done(task, c)
-    queue = TaskQueue(todo) if jobs > 1 else None
-    workers: list[ForkedWorker] = []
-    try:
-        if queue is not None:
-            def here(some: Iterable[Task], report: Any) -> None:
-                compile_here(first_of, some, work, options, report)
+    with kernel_batch.sharing_cores(jobs):  # the processes below build kernels at once
+        queue = TaskQueue(todo) if jobs > 1 else None
+        workers: list[ForkedWorker] = []
+        try:
+            if queue is not None:
+                def here(some: Iterable[Task], report: Any) -> None:
+                    compile_here(first_of, some, work, options, report)
 
-            workers = [ForkedWorker(here, queue, done, f"worker {i}") for i in range(1, jobs)]
-        compile_here(first_of, queue if queue is not None else todo, work, options, done)
-        for w in workers:
-            w.wait()
-            if w.error():
-                progress.note(f"compile {w.name} failed after {w.received} piece(s); this process "
-                              f"compiles what it left: {w.error()}")
-        # what a worker that died took and did not report (its error, if genuine, comes again)
-        compile_here(first_of, [t for t in todo if t not in results], work, options, done)
-    finally:
-        for w in workers:
-            w.kill()
-        if queue is not None:
-            queue.close()
+                workers = [ForkedWorker(here, queue, done, f"worker {i}") for i in range(1, jobs)]
+            compile_here(first_of, queue if queue is not None else todo, work, options, done)
+            for w in workers:
+                w.wait()
+                if w.error():
+                    progress.note(f"compile {w.name} failed after {w.received} piece(s); this process "
+                                  f"compiles what it left: {w.error()}")
+            # what a worker that died took and did not report (its error, if genuine, comes again)
+            compile_here(first_of, [t for t in todo if t not in results], work, options, done)
+        finally:
+            for w in workers:
+                w.kill()
+            if queue is not None:
+                queue.close()
     return results
 
 
