@@ -116,8 +116,9 @@ def _build_parts(commands: list[str], cwd: Path) -> bool:
 
 
 def last_build() -> str | None:
-    """How this process's last kernel batch was built: ``header``, ``plain``, ``raced: with the
-    header`` or ``raced: without the header`` (tests, logs)."""
+    """How this process's last kernel batch was built: ``plain``, ``header``, ``header, in
+    parts``, ``raced: with the header``, ``raced: without the header`` or ``raced: the header, in
+    parts`` (tests, logs)."""
     return _state.get("last")
 
 

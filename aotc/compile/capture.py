@@ -331,12 +331,16 @@ def capture(
     )
 
 
+def _users(filename: str) -> bool:
+    """Whether a frame's file is the user's code (not torch's, a library's or aotc's own)."""
+    return not is_toolchain_file(filename) and "/aotc/" not in filename.replace(os.sep, "/")
+
+
 def _describe_model_error(e: BaseException) -> str:
     """The user frame where the model's forward raised, in one line."""
     import traceback
 
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not is_toolchain_file(f.filename)
-              and "/aotc/" not in f.filename.replace(os.sep, "/")]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if _users(f.filename)]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
     text = " ".join(str(e).split())[:300]
     return (f"{where}the model raised {type(e).__name__} while being traced on generated example "
@@ -356,8 +360,7 @@ def _describe_dynamo_error(e: BaseException) -> str:
     if why and why not in head:
         head = f"{head} ({why[:200]})"
     where = ""
-    stack = [fr for fr in getattr(e, "real_stack", None) or () if not is_toolchain_file(fr.filename)
-             and "/aotc/" not in fr.filename.replace(os.sep, "/")]
+    stack = [fr for fr in getattr(e, "real_stack", None) or () if _users(fr.filename)]
     if stack:
         fr = stack[-1]
         where = f"{fr.filename}:{fr.lineno}: "

@@ -328,9 +328,9 @@ def _each_at_one_place(model: torch.nn.Module, classes: Sequence[type]) -> None:
     """Raise where a layer instance is held at two places of the model (weights shared between
     layers: it is called twice, and a body cannot be both its own and another's)."""
     seen: dict[int, str] = {}
-    wanted = tuple(classes)
+    wanted = set(classes)
     for path, m in model.named_modules(remove_duplicate=False):
-        if isinstance(m, wanted) and type(m) in wanted:
+        if type(m) in wanted:
             if id(m) in seen:
                 raise CaptureError(f"layer {seen[id(m)]!r} is also at {path!r} (one layer called at two "
                                    "places): each layer traced")
