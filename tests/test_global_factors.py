@@ -197,3 +197,21 @@ def test_the_field_list_is_read_without_hashing_tritons_source() -> None:
     assert sorted(vars(mine)) == sorted(vars(theirs))
     for name in vars(theirs):
         assert repr(getattr(mine, name)) == repr(getattr(theirs, name)), name
+
+
+@pytest.mark.slow
+def test_a_piece_compile_does_not_hash_tritons_source_either(tmp_path) -> None:
+    # standalone_compile keys every piece by AOTAutograd's cache key, which reads torch's system
+    # info: on a CPU host torch hashes Triton's source there and drops it (0.3 s of a cold call)
+    from torch._inductor.codecache import CacheBase
+
+    from aotc._torch import inductor_compile
+    from tests.fixtures.small_graphs import sigmoid_times_three_graph
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the Triton hash is kept: torch's own get_system runs")
+    before = CacheBase.get_system.cache_info()
+    piece = inductor_compile.compile_piece(sigmoid_times_three_graph(), [torch.randn(4, 8)], None, tmp_path / "p")
+    after = CacheBase.get_system.cache_info()
+    assert piece.artifact.is_file()
+    assert (after.hits, after.misses) == (before.hits, before.misses), "torch's get_system was called"
