@@ -320,7 +320,7 @@ ENTRY_POINTS = {
     ("aotc.compile.pipeline", "compile_manifest"),  # aotc.compile
     ("aotc.backend.serve", "AotcBackend.__call__"),  # the backend's call
     ("aotc.backend.serve", "backend_key"),  # a caller asking what key a graph has
-    ("aotc.backend.serve", "_start_kernel_header"),  # Dynamo's start callback (torch calls it)
+    ("aotc.backend.serve", "start_kernel_header"),  # Dynamo's start callback; the entry point torch imports
     ("aotc.backend.compiled", "AotcCompiled._ensure"),  # a saved backend record, loaded
     ("aotc.vllm.plugin", "_install"),  # vLLM's plugin hook (register)
     ("aotc.vllm.plugin", "_context"),

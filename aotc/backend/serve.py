@@ -33,7 +33,7 @@ from aotc.log import logger
 
 _log = logger("backend")
 
-__all__ = ["DEFAULT_SPLITTING_OPS", "AotcBackend", "aotc_backend", "backend", "backend_key"]
+__all__ = ["DEFAULT_SPLITTING_OPS", "AotcBackend", "aotc_backend", "backend", "backend_key", "start_kernel_header"]
 
 
 def backend_key(gm: Any, example_inputs: Sequence[Any], config: BackendConfig | None = None,
@@ -320,9 +320,11 @@ def _speculation_machine(settings: Any) -> str | None:
     return None if served else machine
 
 
-def _start_kernel_header() -> None:
-    """Dynamo's start callback (an entry point: torch calls it): the kernels' header and the ISA
-    probes started ahead, for a store that has not served this toolchain."""
+def start_kernel_header() -> None:
+    """The kernels' header and the ISA probes started ahead, for a store that has not served
+    this toolchain: Dynamo's start callback (torch calls it), and the import of the module
+    torch's registry loads for ``backend="aotc"`` (:mod:`aotc.backend.entry`), whichever comes
+    first; decided once per process."""
     from aotc._torch import kernel_header
     from aotc.backend.config import DEFAULT_INDUCTOR
     from aotc.settings import Settings
@@ -342,7 +344,7 @@ def kernel_header_window() -> Iterator[None]:
     """Around a compile Dynamo's callbacks do not announce (the precompile door's AOT capture):
     the kernels' header and the ISA probes started before it, what still runs killed after it
     (:mod:`aotc._torch.kernel_header`)."""
-    _start_kernel_header()
+    start_kernel_header()
     try:
         yield
     finally:
@@ -355,7 +357,7 @@ def kernel_header_window() -> Iterator[None]:
 def _arm() -> None:
     from aotc._torch import dynamo
 
-    dynamo.around_compiles(_start_kernel_header, _end_kernel_header)
+    dynamo.around_compiles(start_kernel_header, _end_kernel_header)
 
 
 _arm()
