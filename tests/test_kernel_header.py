@@ -337,3 +337,19 @@ def test_torchs_lookup_of_the_backend_starts_the_header_a_plain_import_does_not(
     assert got == {"before": False, "jobs": 1, "threads": 1}, got
     assert not [p for p in (tmp_path / "tmp").rglob("*.partial")], "a partial header left behind at exit"
 
+
+def test_the_parts_runs_are_used_to_collect_the_compiles_garbage(tmp_path) -> None:
+    # the compilers take the cores: the compile's garbage is collected meanwhile, not after the
+    # call in the caller's time (aotc.gc_pause.collect_in_wait)
+    import gc
+
+    from aotc import gc_pause
+
+    parts = [_tiny_library_command(tmp_path, n) for n in ("p0", "p1")]
+    with gc_pause.gc_paused():
+        for _ in range(gc_pause.WORTH_COLLECTING + 10_000):
+            d: dict[str, object] = {}
+            d["self"] = d
+        assert batch_build._build_parts([c for c, _ in parts], tmp_path)
+        assert gc.get_count()[0] < 1000, "the parts' wait collected nothing"
+    assert all(lib.is_file() for _, lib in parts)

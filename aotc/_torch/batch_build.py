@@ -4,9 +4,12 @@ for torch 2.11–2.13, tested on 2.13.0 (CPU).
 
 The header built → the batch includes it first, in parts (one compiler run per idle core: with
 the header a run is mostly its own kernels, so two halves take ~0.7 of the whole); being built →
-the batch builds without it and, once the header is built, either with it (whole: the first
-build to end is kept, the other killed) or — the plain build young enough — in parts, the plain
-one killed; none → as before. The kernels are the same text either way.
+the wait is first used to collect the compile's garbage (:func:`aotc.gc_pause.collect_in_wait`:
+work the caller would otherwise pay after the call; the parts' runs are used so when the header
+is there), then the batch builds without it and, once
+the header is built, either with it (whole: the first build to end is kept, the other killed)
+or — the plain build young enough — in parts, the plain one killed; none → as before. The
+kernels are the same text either way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc._torch.kernel_header import HEAD, OUT, SRC, header_dir, job_for, kill, popen, reap
+from aotc.gc_pause import collect_in_wait
 
 __all__ = ["SWITCH_TO_PARTS", "Part", "build", "last_build"]
 
@@ -62,6 +66,8 @@ def build(template: str, text: str, src: Path, lib: Path, cwd: Path, run: Callab
     directory = header_dir(template) if _usable(text) else None
     job = job_for(directory) if directory is not None else None
     ready = directory is not None and (directory / "head.h.gch").is_file()
+    if directory is not None and not ready and job is not None and not job.done.is_set() and collect_in_wait():
+        ready = (directory / "head.h.gch").is_file()  # the wait's first use; it may have landed
     if not ready and (job is None or job.done.is_set()):
         _state["last"] = "plain"
         run(plain, cwd=str(cwd))
@@ -105,9 +111,12 @@ def build(template: str, text: str, src: Path, lib: Path, cwd: Path, run: Callab
 
 
 def _build_parts(commands: list[str], cwd: Path) -> bool:
-    """Run every part's command at once; True when all built (else what still runs is killed)."""
+    """Run every part's command at once — the compile's garbage collected meanwhile
+    (:func:`aotc.gc_pause.collect_in_wait`: the compilers take the cores, this process would
+    only wait) — True when all built (else what still runs is killed)."""
     procs = [popen(shlex.split(c), cwd, background=False) for c in commands]
     try:
+        collect_in_wait()
         return all(p is not None and p.wait() == 0 for p in procs)
     finally:
         for p in procs:
