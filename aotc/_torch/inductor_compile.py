@@ -328,9 +328,7 @@ def start_piece(
         phases: dict[str, float] = {"key+setup": time.perf_counter() - t_key}
         timed = _timed_metrics()
         try:
-            # cpu_system_info: AOTAutograd's cache key (standalone_compile keys every compile)
-            # reads torch's system info, which hashes Triton's source on a CPU host and throws
-            # the hash away there (0.3 s per process, on the cold path)
+            # cpu_system_info: the AOTAutograd key standalone_compile takes hashes no Triton source
             with inductor_cache_dir(str(tmp)), _grad_mode(gm), _config_patch(options), \
                     in_process_isa_probes(), cpu_system_info():
                 t = time.perf_counter()
