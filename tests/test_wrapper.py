@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from aotc._torch import inductor_compile, inductor_load, wrapper
+from aotc._torch import inductor_compile, inductor_load, static_inputs, wrapper
 from tests.fixtures.small_graphs import mutating_graph, sigmoid_times_three_graph
 
 HEADER = "import torch\nfrom torch._inductor.async_compile import AsyncCompile\n"
@@ -119,3 +119,35 @@ def test_bit_for_bit_for_bool_int_and_complex() -> None:
     assert wrapper.same_outputs([c], [c.clone()])
     assert not wrapper.same_outputs([c], [torch.tensor([1 + 2j, 0j])])
     assert not wrapper.same_bits(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.slow
+def test_a_static_size_compile_takes_a_subclass_weight_as_it_is(tmp_path) -> None:
+    # a piece compiled for a static size is given inputs made for that size; a tensor-subclass
+    # weight (torchao's int8) made anew from its outer shape would be a plain tensor, and the code
+    # compiled for it read the subclass's unallocated storage at run time ("data is not allocated")
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False)).eval()
+    quantize_(lin, Int8WeightOnlyConfig())
+    w = lin[0].weight
+    assert type(w) is not torch.nn.Parameter and hasattr(w, "__tensor_flatten__"), type(w)
+    made = inductor_compile.static_example_inputs([torch.randn(4, 32), w], 4)
+    assert made[1] is w and made[0].shape == (4, 32)
+    # the manifest door's trace hands over fake weights: rebuilt as real ones of the same kind
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode().from_tensor(w)
+    (rebuilt,) = inductor_compile.static_example_inputs([fake], 4)
+    assert type(rebuilt) is type(w) and rebuilt.shape == w.shape and not static_inputs.is_fake(rebuilt)
+    assert static_inputs.is_fake(fake)
+
+    gm = torch.fx.symbolic_trace(lambda x, w: (torch.nn.functional.linear(x, w),))
+    x = torch.randn(4, 32)
+    cp = inductor_compile.compile_piece(gm, [x, w], 4, tmp_path / "p")
+    with torch.no_grad():
+        got = inductor_load.load_piece(cp.artifact, cp.kernel_root)(x, w)[0]
+        want = lin(x)
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

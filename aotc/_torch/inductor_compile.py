@@ -34,6 +34,7 @@ from aotc._torch.inductor_load import in_process_isa_probes, inductor_cache_dir
 from aotc._torch.inductor_load import kernel_files as _kernel_files
 from aotc._torch.isa_probes import isa_probe_files, seed_isa_probes
 from aotc._torch.ops import graph_returns_tuple, undefined_outputs, written_inputs
+from aotc._torch.static_inputs import static_example_inputs
 from aotc._torch.task_result import CompiledPiece
 from aotc.counters import COUNTERS as _ours
 from aotc.errors import CompileError
@@ -58,38 +59,6 @@ def _grad_mode(gm: torch.fx.GraphModule) -> Any:
 def _sc_module() -> Any:
     # ``torch._inductor.standalone_compile`` the attribute is the function; get the module.
     return importlib.import_module("torch._inductor.standalone_compile")
-
-
-def concrete_size(x: Any, size: int) -> int:
-    """An int for a (possibly symbolic) size, every free symbol taken as the token size."""
-    if isinstance(x, torch.SymInt):
-        expr = x.node.expr
-        return int(expr.subs({s: size for s in expr.free_symbols}))
-    return int(x)
-
-
-def static_example_inputs(example_inputs: Sequence[Any], size: int) -> list[Any]:
-    """Real (uninitialized-but-valid) inputs with every symbolic size set to ``size``.
-
-    Integer tensors are zero-filled (valid indices); float tensors are left uninitialized
-    (``torch.empty``: no cost for large weights). ``SymInt`` inputs become ``size``-derived ints.
-    """
-    out: list[Any] = []
-    for v in example_inputs:
-        if isinstance(v, torch.Tensor):
-            shape = [concrete_size(s, size) for s in v.shape]
-            stride = [concrete_size(s, size) for s in v.stride()]
-            t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
-            if not (v.dtype.is_floating_point or v.dtype.is_complex):
-                t.zero_()
-            elif v.requires_grad:  # a training compile's static artifact takes grads as well
-                t.requires_grad_(True)
-            out.append(t)
-        elif isinstance(v, torch.SymInt):
-            out.append(concrete_size(v, size))
-        else:
-            out.append(v)
-    return out
 
 
 def _is_symbolic(v: Any) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from aotc._torch import dynamo, header_build, inductor_compile, isa_probes, kernel_header
+from aotc._torch import dynamo, header_build, inductor_compile, isa_probes, kernel_header, static_inputs
 from aotc._torch.ops import mutated_args, written_inputs
 from aotc.backend.graphkey import graph_device
 from aotc.compile.core import Job, build
@@ -184,8 +184,8 @@ def _at_size(gm: torch.fx.GraphModule, inputs: Sequence[Any], n: int | None) -> 
             out.append(n)
         elif isinstance(val, torch.Tensor) and isinstance(x, torch.Tensor) \
                 and any(isinstance(s, torch.SymInt) for s in val.shape):
-            shape = [inductor_compile.concrete_size(s, n) for s in val.shape]
-            strides = [inductor_compile.concrete_size(s, n) for s in val.stride()]
+            shape = [static_inputs.concrete_size(s, n) for s in val.shape]
+            strides = [static_inputs.concrete_size(s, n) for s in val.stride()]
             made = _input_at(x, shape, strides)
             if made is None:
                 return None
