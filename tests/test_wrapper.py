@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -151,3 +152,43 @@ def test_a_static_size_compile_takes_a_subclass_weight_as_it_is(tmp_path) -> Non
         got = inductor_load.load_piece(cp.artifact, cp.kernel_root)(x, w)[0]
         want = lin(x)
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+_INT8_CHECK = """
+import sys, torch, aotc
+from aotc.manifest import load_manifest
+from aotc.model.build import make_named_inputs
+runner = aotc.load(sys.argv[1], store=sys.argv[2])
+for n in (4, 5):  # the static artifact, the dynamic one
+    kw = make_named_inputs(load_manifest(sys.argv[1]), n, seed=n)
+    with torch.no_grad():
+        got, want = runner(**kw), runner.eager(**kw)
+    assert torch.allclose(got, want, atol=1e-4), (n, (got - want).abs().max())
+print("served")
+"""
+
+
+@pytest.mark.slow
+def test_torchao_int8_through_the_manifest_door_with_a_compile_size(tmp_path) -> None:
+    # a client: torchao's int8 weights (fake in the manifest door's trace) compiled for the
+    # dynamic shape and a static size, checked, then loaded and served at both in a fresh
+    # process (each its own: quantize_ sets Inductor options process-wide)
+    pytest.importorskip("torchao")
+    import yaml
+
+    from tests.conftest import AOTC_CLI, PYTHON, python_env
+
+    data = {"name": "int8-llama", "model": {"factory": "tests.fixtures.more_client_models:int8_llama",
+                                            "kwargs": {"layers": 2}, "output": "logits"},
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": [1, "tokens"], "high": 256}],
+            "compile_sizes": [4], "max_tokens": 64,
+            "splitting_ops": ["aten::scaled_dot_product_attention"]}
+    path = tmp_path / "int8.yaml"
+    path.write_text(yaml.safe_dump(data))
+    env = {**python_env(), "AOTC_STORE": str(tmp_path / "store")}
+    res = subprocess.run([*AOTC_CLI, "compile", str(path)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loads through Inductor" not in res.stderr, "a piece lost the fast path"
+    res = subprocess.run([PYTHON, "-c", _INT8_CHECK, str(path), str(tmp_path / "store")], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0 and "served" in res.stdout, res.stderr[-3000:]
