@@ -164,3 +164,12 @@ def test_a_store_the_wheel_filled_hits_from_the_checkout(installed) -> None:
 def test_the_checkouts_cli_finds_the_wheels_entry(installed) -> None:
     res = run_cli("--store", str(installed["store"]), "run", str(installed["manifest"]), "--sizes", "3")
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_torch_finds_the_wheels_backend_by_name(installed) -> None:
+    # torch.compile(model, backend="aotc") resolves the name through the entry point: the wheel's
+    code = ("import json, sys, torch._dynamo; fn = torch._dynamo.lookup_backend('aotc'); "
+            "print(json.dumps({'fn': fn.__module__, 'entry': sys.modules['aotc.backend.entry'].__file__}))")
+    got = _run(installed["python"], ["-c", code], installed)
+    assert got["fn"] == "aotc.backend.serve", got
+    assert Path(got["entry"]).is_relative_to(installed["python"].parent.parent), got
