@@ -66,8 +66,8 @@ def build(template: str, text: str, src: Path, lib: Path, cwd: Path, run: Callab
     directory = header_dir(template) if _usable(text) else None
     job = job_for(directory) if directory is not None else None
     ready = directory is not None and (directory / "head.h.gch").is_file()
-    if directory is not None and not ready and job is not None and not job.done.is_set() and collect_in_wait():
-        ready = (directory / "head.h.gch").is_file()  # the wait's first use; it may have landed
+    if not ready and job is not None and not job.done.is_set() and collect_in_wait():
+        ready = (job.dir / "head.h.gch").is_file()  # the wait's first use; it may have landed
     if not ready and (job is None or job.done.is_set()):
         _state["last"] = "plain"
         run(plain, cwd=str(cwd))

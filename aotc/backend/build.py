@@ -76,7 +76,7 @@ def _with_real_inputs(parts: SplitResult, example_inputs: Sequence[Any]) -> Spli
     for node, ex in zip(placeholders, example_inputs):
         val = node.meta.get("example_value", ex)
         if isinstance(ex, torch.Tensor) and isinstance(val, torch.Tensor) \
-                and not any(isinstance(d, torch.SymInt) for d in val.shape) and not _is_fake(ex):
+                and not any(isinstance(d, torch.SymInt) for d in val.shape) and not static_inputs.is_fake(ex):
             real[node] = ex
     calls = {str(n.target): n for n in parts.stitch.graph.nodes if n.op == "call_module"}
     pieces = []
@@ -85,10 +85,6 @@ def _with_real_inputs(parts: SplitResult, example_inputs: Sequence[Any]) -> Spli
         got = {i: real[a] for i, a in enumerate(args) if isinstance(a, torch.fx.Node) and a in real}
         pieces.append(p if p.is_splitting or not got else replace(p, real_inputs=got))
     return SplitResult(parts.stitch, pieces, parts.warnings)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "FakeTensor" or t.device.type == "meta"
 
 
 def float_dtype(example_inputs: Sequence[Any]) -> torch.dtype:
