@@ -72,17 +72,29 @@ def unique_pieces(pieces: Any, options: dict[str, Any]) -> tuple[dict[str, str],
     return uid_of, first_of
 
 
-def trace_and_split(manifest: Manifest, progress: Progress | None = None,
-                    seconds: dict[str, float] | None = None, regions: str | None = None) -> Traced:
-    """Build, capture once (token dim dynamic), split at the splitting ops, dedup the pieces.
-    ``regions``: the manifest's ``regions`` unless given (``"off"``: every layer traced)."""
+def build_for_trace(manifest: Manifest, progress: Progress | None = None,
+                    seconds: dict[str, float] | None = None) -> Any:
+    """The manifest's model, called by name as the manifest calls it (what a trace takes)."""
     progress = progress or Progress(quiet=True)
-    seconds = seconds if seconds is not None else {}
     what = manifest.model.factory or (manifest.model.hf.architecture if manifest.model.hf else "?")
     progress.phase("build", what)
     t = time.perf_counter()
-    model = by_name(build_model(manifest), manifest)  # traced as the manifest calls it: by name
-    seconds["build"] = time.perf_counter() - t
+    model = by_name(build_model(manifest), manifest)
+    if seconds is not None:
+        seconds["build"] = time.perf_counter() - t
+    return model
+
+
+def trace_and_split(manifest: Manifest, progress: Progress | None = None,
+                    seconds: dict[str, float] | None = None, regions: str | None = None,
+                    model: Any = None) -> Traced:
+    """Build (unless ``model``: :func:`build_for_trace`'s), capture once (token dim dynamic),
+    split at the splitting ops, dedup the pieces. ``regions``: the manifest's ``regions`` unless
+    given (``"off"``: every layer traced)."""
+    progress = progress or Progress(quiet=True)
+    seconds = seconds if seconds is not None else {}
+    if model is None:
+        model = build_for_trace(manifest, progress, seconds)
 
     progress.phase("capture", "Dynamo, token dim dynamic")
     t = time.perf_counter()

@@ -16,11 +16,11 @@ from typing import Any
 from aotc._torch import header_build, isa_probes, kernel_header
 from aotc.cache import StoreReadOnlyError
 from aotc.compile.core import Job, build
-from aotc.compile.pieces import piece_records, trace_and_split
+from aotc.compile.pieces import build_for_trace, piece_records, trace_and_split
 from aotc.context import Context
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.fleet.tiered import TieredStore, Wanted
-from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve
+from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve, settings_moved
 from aotc.lookup.stores import as_manifest, open_store
 from aotc.lookup.toolchain import fingerprint, machine_factors, remember_fresh_values
 from aotc.manifest import Manifest
@@ -124,7 +124,6 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     toolchain = machine_factors(manifest.device, store.base / "toolchain")
-    base = base_factors(manifest, toolchain)
     machine = fingerprint(manifest.device)
     isa_probes.keep_isa_probes(isa_probes.machine_isa_probe_dir(machine))
     kernel_header.keep_headers(machine)
@@ -140,8 +139,16 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         raise StoreReadOnlyError(str(store.root), "compile into it")
 
     def compile_here() -> CompileResult:
+        # the kernels' precompiled header (one long g++ run on a cold machine) builds while this
+        # process builds and traces the model, after the ISA probes (short g++ runs, kept per
+        # machine: its phase is ~0 on a warm one) — only in a process that compiles (not in a
+        # replica waiting on a lease)
+        t = time.perf_counter()
+        header_build.start_header_build(dict(manifest.inductor), manifest.device)
+        seconds["isa_probes"] = time.perf_counter() - t
         try:
-            return _compile_traced(manifest, tiered, force, progress, jobs, toolchain, base, seconds)
+            model = build_for_trace(manifest, progress, seconds)
+            return _compile_built(manifest, tiered, force, progress, jobs, toolchain, seconds, model)
         finally:  # the kernels' header build it started ends with this call (nothing left behind)
             header_build.wait_for_header_builds()
 
@@ -158,22 +165,38 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     return _hit(served.entry, manifest, seconds, store, traces=0)
 
 
+def _compile_built(manifest: Manifest, tiered: TieredStore, force: bool, progress: Progress, jobs: int,
+                   looked_up: dict[str, Any], seconds: dict[str, float], model: Any) -> CompileResult:
+    """A miss of ``compile_manifest`` once the model is built: keyed by the settings the compile
+    runs under — read now, after the build. A build that changed process-wide settings
+    (torchao's ``quantize_`` turns Inductor options on) compiles under them, so its key is not
+    the one looked up before the build (``looked_up``'s): that key is looked up (and leased)
+    first — a store that has it is a hit, built by a process that built the model too."""
+    machine = machine_factors(manifest.device, tiered.local.base / "toolchain")
+    base = base_factors(manifest, machine)
+    if force or machine == looked_up:
+        return _compile_traced(manifest, tiered, force, progress, jobs, base, seconds, model=model)
+    moved = settings_moved(base_factors(manifest, looked_up), base)
+    progress.note(f"building the model changed process-wide settings ({', '.join(moved[:4])}): "
+                  "keyed and compiled as they are now")
+    served = tiered.get_or_build(
+        Wanted.by_manifest(manifest, machine),
+        lambda: _compile_traced(manifest, tiered, force, progress, jobs, base, seconds, model=model))
+    if served.built is not None:
+        return served.built
+    return _hit(served.entry, manifest, seconds, tiered.local, traces=0)
+
+
 def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progress: Progress, jobs: int,
-                    toolchain: dict[str, Any], base: dict[str, Any],
-                    seconds: dict[str, float], regions: str | None = None) -> CompileResult:
-    """Trace and split, then the compile core (a miss of ``compile_manifest``). A program whose
+                    base: dict[str, Any], seconds: dict[str, float], regions: str | None = None,
+                    model: Any = None) -> CompileResult:
+    """Trace and split ``model`` (None: built again), then the compile core. A program whose
     numeric check fails with layers stamped out (``aotc.compile.stamp``: what a stamped layer
     reads beyond its arguments and weights — a global the model changes between layers — is not
     seen) is traced again with every layer traced, under the same key (the graph is the same
     but for that), before anything is stored; ``regions``: that retry's ``"off"``."""
     store = tiered.local
-    # the kernels' precompiled header (one long g++ run on a cold machine) builds while this
-    # process traces, after the ISA probes (short g++ runs, kept per machine: its phase is ~0 on a
-    # warm one) — only in a process that compiles (not in a replica waiting on a lease)
-    t = time.perf_counter()
-    header_build.start_header_build(dict(manifest.inductor), manifest.device)
-    seconds["isa_probes"] = time.perf_counter() - t
-    traced = trace_and_split(manifest, progress, seconds, regions)
+    traced = trace_and_split(manifest, progress, seconds, regions, model=model)
     model, captured, parts = traced.model, traced.captured, traced.parts
     shapes: list[int | None] = [None, *manifest.compile_sizes]
     if captured.dynamic == "static":
@@ -202,7 +225,7 @@ def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progre
             raise
         why = "the numeric check failed with layers stamped out"
         progress.note(f"{why}: every layer traced again")
-        result = _compile_traced(manifest, tiered, force, progress, jobs, toolchain, base, seconds, "off")
+        result = _compile_traced(manifest, tiered, force, progress, jobs, base, seconds, "off")
         return replace(result, regions=f"traced every layer ({why})")
     # the toolchain memo's Inductor settings as a fresh process reads them (a fresh interpreter,
     # once per memo; after the compile: no fork of a worker meets its pipes)

@@ -49,7 +49,8 @@ _LOG = logger("fleet")
 
 
 class _Keyed(Protocol):
-    key: str
+    @property
+    def key(self) -> str: ...
 
 
 T = TypeVar("T", bound=_Keyed)

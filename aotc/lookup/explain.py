@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc.cache import Store
-from aotc.lookup.resolve import resolve
+from aotc.lookup.resolve import differs_in_settings, resolve
 from aotc.lookup.toolchain import machine_factors
 from aotc.manifest import Manifest, load_manifest
 
@@ -15,10 +15,22 @@ from aotc.manifest import Manifest, load_manifest
 def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str, Any]:
     """A JSON-able report: ``hit``, ``key``, ``closest`` entry and field-by-field ``differences``."""
     m = manifest if isinstance(manifest, Manifest) else load_manifest(manifest)
-    res = resolve(m, store, machine_factors(m.device, store.base / "toolchain"), record=False)
+    machine = machine_factors(m.device, store.base / "toolchain")
+    res = resolve(m, store, machine, record=False)
+    built = ""
+    if res.entry is None and differs_in_settings(res.diffs):
+        # the entry may be keyed by settings the model's build sets (torchao's quantize_), as
+        # a compile and a load key it: built here, and looked up again
+        from aotc.model.build import build_model
+
+        build_model(m)
+        after = machine_factors(m.device, store.base / "toolchain")
+        if after != machine:
+            res = resolve(m, store, after, record=False)
+            built = " (keyed with the settings building the model set)"
     if res.entry is not None:
         return {"hit": True, "key": res.entry.key, "closest": res.entry.key, "differences": [],
-                "summary": f"{m.name}: hit, key {res.entry.key[:16]}… is in {store.root}"}
+                "summary": f"{m.name}: hit, key {res.entry.key[:16]}… is in {store.root}{built}"}
     if res.closest is None:
         return {"hit": False, "key": None, "probe": res.probe, "closest": None, "differences": [],
                 "summary": f"{m.name}: miss; the store {store.root} has no entry of that name "

@@ -61,6 +61,27 @@ def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
             "aotc": {"format": FORMAT_VERSION, "compile_logic": compile_logic_hash()}}
 
 
+# the key's process-wide settings (Inductor's and torch's): what building a model may change
+_SETTINGS = ("inductor.values.", "inductor.cpu_threads", "global.")
+
+
+def settings_moved(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The key's fields that differ between two sets of factors (dotted paths)."""
+    return [d.path for d in explain(before, after)]
+
+
+def is_setting(path: str) -> bool:
+    """Whether a key field (a dotted path) is a process-wide setting, Inductor's or torch's."""
+    return path.startswith(_SETTINGS)
+
+
+def differs_in_settings(diffs: tuple[FactorDiff, ...] | list[FactorDiff]) -> bool:
+    """Whether an entry differs from a lookup in process-wide settings — what a model's build
+    may change (torchao's ``quantize_`` turns Inductor options on): looked up again once the
+    model is built, an entry may be current."""
+    return any(is_setting(d.path) for d in diffs)
+
+
 def factory_source(manifest: Manifest) -> dict[str, str]:
     """The factory's own source file (relative path -> sha256): it may bake constants into the
     model that Dynamo never traces through, so it is always part of the ``code`` factor."""

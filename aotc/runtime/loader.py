@@ -24,7 +24,9 @@ from aotc.context import Context
 from aotc.errors import LoadError
 from aotc.fleet.tiered import TieredStore
 from aotc.log import configure
+from aotc.lookup.resolve import Resolution, differs_in_settings, is_setting
 from aotc.lookup.stores import as_manifest
+from aotc.lookup.toolchain import machine_factors
 from aotc.manifest import Manifest
 from aotc.model.build import build_model
 from aotc.records.program import PROGRAM_ROLE, Program
@@ -52,13 +54,17 @@ def _workdir() -> Path:
     return path
 
 
-def _find_entry(manifest: Manifest, tiered: TieredStore, timings: Timings) -> Entry:
+def _resolve(manifest: Manifest, tiered: TieredStore, timings: Timings, machine: dict[str, Any]) -> Resolution:
     t = time.perf_counter()
-    res = tiered.find(manifest)  # the local tier, else pulled through from the remote
+    res = tiered.find(manifest, machine)  # the local tier, else pulled through from the remote
     timings.add("resolve", time.perf_counter() - t - tiered.pull_seconds)
     if tiered.pulled_bytes:
         timings.add("pull", tiered.pull_seconds)
         timings.pulled_bytes = tiered.pulled_bytes
+    return res
+
+
+def _entry_or_miss(res: Resolution, manifest: Manifest, tiered: TieredStore) -> Entry:
     if res.entry is not None:
         return res.entry
     if res.corrupt is not None:  # the entry for this machine exists but is damaged: say that
@@ -73,6 +79,14 @@ def _find_entry(manifest: Manifest, tiered: TieredStore, timings: Timings) -> En
     if changed:
         why += f" (changed source file: {', '.join(changed[:3])})"
     where_remote = f" nor in {remote.url}" if remote is not None else ""
+    if res.closest is not None and res.diffs and all(is_setting(d.path) for d in res.diffs):
+        raise CacheMiss(res.probe, label="lookup key (every factor but the traced sources)",
+                        hint=f"{manifest.name} is compiled (key {res.closest.key[:16]}…) under other "
+                             f"process-wide settings than this process has: "
+                             f"{', '.join(d.describe() for d in res.diffs[:4])}; set them as the compile "
+                             f"had them (building the model as the manifest does sets them, e.g. "
+                             f"torchao's quantize_), or name them in the manifest's `inductor:` and "
+                             f"compile again")
     raise CacheMiss(res.probe, label="lookup key (every factor but the traced sources)",
                     hint=f"{manifest.name} is not compiled for this machine{where_remote}{why}; run "
                          f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
@@ -195,6 +209,13 @@ class _Found:
     capture_sizes: Any = None
 
 
+def _build(manifest: Manifest, timings: Timings) -> Any:
+    t = time.perf_counter()
+    model = build_model(manifest)
+    timings.add("build model", time.perf_counter() - t)
+    return model
+
+
 def _by_key(key: str, model: Any, context: Context) -> _Found:
     if model is None:
         raise LoadError("loading by key needs `model=`: the module whose weights to bind")
@@ -210,10 +231,17 @@ def _by_manifest(manifest: Manifest, model: Any, device: str | None, context: Co
     if device is not None and device != manifest.device:
         manifest = manifest.replace(device=device)
     tiered = context.open_tiered(manifest)
-    entry = _find_entry(manifest, tiered, timings)
+    machine = machine_factors(manifest.device, tiered.local.base / "toolchain")
+    res = _resolve(manifest, tiered, timings, machine)
+    if model is None and res.entry is None and differs_in_settings(res.diffs):
+        # an entry compiled under the settings this model's build sets (torchao's quantize_
+        # turns Inductor options on): keyed as they are once it is built — built first, then
+        model = _build(manifest, timings)
+        built = machine_factors(manifest.device, tiered.local.base / "toolchain")
+        if built != machine:
+            res = _resolve(manifest, tiered, timings, built)
+    entry = _entry_or_miss(res, manifest, tiered)
     if model is None:
-        t = time.perf_counter()
-        model = build_model(manifest)
-        timings.add("build model", time.perf_counter() - t)
+        model = _build(manifest, timings)
     return _Found(entry, tiered.local, model, timings, dict(manifest.inductor), manifest.cudagraph,
                   manifest.capture_sizes)

@@ -1,0 +1,86 @@
+"""A model whose build changes process-wide settings: torchao's ``quantize_`` turns Inductor
+options on (coordinate descent tuning, the int-mm-with-mul fusion), so the manifest door's compile
+runs under them. The key names the settings the compile ran under — read once the model is built
+— so that every process that has the model as the manifest builds it finds the one entry: a
+server with its own quantized model, ``aotc.load`` building it, a compile and a load in one
+process, ``aotc explain`` and a second ``aotc compile``. (Before: the key was read before the
+build — it said the options were off — and a server with its own model missed, told to run the
+compile that then said "up to date".) The factory here sets the options as torchao does, so the
+test needs no torchao; tests/test_wrapper.py serves torchao's own int8 model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import AOTC_CLI, PYTHON, python_env
+
+pytestmark = pytest.mark.slow
+
+MANIFEST = {"name": "tuned-llama",
+            "model": {"factory": "tests.fixtures.more_client_models:tuned_llama", "output": "logits"},
+            "inputs": [{"name": "input_ids", "dtype": "int64", "shape": [1, "tokens"], "high": 256}],
+            "max_tokens": 64, "splitting_ops": ["aten::scaled_dot_product_attention"]}
+
+SERVE = """
+import json, sys, torch, aotc
+from aotc.manifest import load_manifest
+from aotc.model.build import make_named_inputs
+manifest, store, how = sys.argv[1:4]
+if how == "own-model":  # a server that builds (quantizes) its model itself, as the factory does
+    from tests.fixtures.more_client_models import tuned_llama
+    runner = aotc.load(manifest, store=store, model=tuned_llama())
+elif how == "lacks-the-settings":  # its model built without them (saved quantized weights, say)
+    from aotc.cache import CacheMiss
+    from tests.fixtures.more_client_models import tiny_llama
+    try:
+        aotc.load(manifest, store=store, model=tiny_llama(layers=1))
+    except CacheMiss as e:
+        print(json.dumps({"miss": str(e)}))
+    sys.exit(0)
+elif how == "built-by-load":
+    runner = aotc.load(manifest, store=store)
+else:  # compile (a hit: up to date), then load in the same process
+    compiled = aotc.compile(manifest, store=store)
+    assert compiled.hit and compiled.compiles == 0, compiled
+    runner = aotc.load(manifest, store=store)
+kw = make_named_inputs(load_manifest(manifest), 5, seed=5)
+with torch.no_grad():
+    got, want = runner(**kw), runner.eager(**kw)
+assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+print(json.dumps({"key": runner.key}))
+"""
+
+
+def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_every_process(tmp_path: Path) -> None:
+    path = tmp_path / "tuned.yaml"
+    path.write_text(yaml.safe_dump(MANIFEST))
+    store = tmp_path / "store"
+    env = {**python_env(), "AOTC_STORE": str(store)}
+    res = subprocess.run([*AOTC_CLI, "compile", str(path), "--json"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    key = json.loads(res.stdout)["key"]
+    from aotc.cache import Store
+
+    values = Store(store).get(key).factors["inductor"]["values"]
+    assert values["coordinate_descent_tuning"] is True and values["force_fuse_int_mm_with_mul"] is True, \
+        "the key must name the settings the compile ran under"
+    for how in ("own-model", "built-by-load", "compile-then-load"):
+        res = subprocess.run([PYTHON, "-c", SERVE, str(path), str(store), how], capture_output=True,
+                             text=True, env=env, timeout=600)
+        assert res.returncode == 0, (how, res.stderr[-3000:])
+        assert json.loads(res.stdout.strip().splitlines()[-1])["key"] == key, how
+    res = subprocess.run([PYTHON, "-c", SERVE, str(path), str(store), "lacks-the-settings"], capture_output=True,
+                         text=True, env=env, timeout=600)
+    miss = json.loads(res.stdout.strip().splitlines()[-1])["miss"]  # a miss that names each setting
+    assert "other process-wide settings" in miss and "coordinate_descent_tuning: true -> false" in miss, miss
+    res = subprocess.run([*AOTC_CLI, "--store", str(store), "explain", str(path)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0 and ": hit, key " + key[:16] in res.stdout, res.stdout + res.stderr[-2000:]
+    res = subprocess.run([*AOTC_CLI, "compile", str(path)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0 and "up to date" in res.stdout, res.stdout + res.stderr[-2000:]
