@@ -37,6 +37,7 @@ import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -65,16 +66,25 @@ def model_dir(layers: int = 24) -> Path:
     path = base / f"qwen2-0.5b-shaped-{layers}L-{tag}"
     if (path / "config.json").is_file():
         return path
+    say(f"writing the model once to {path}")
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=base))  # renamed when complete
+    # in a child: this process's peak RSS is a floor under every child's figure (wait4's
+    # ru_maxrss keeps the peak of the memory a child was forked from)
+    subprocess.run([sys.executable, "-m", "bench.real", "--child",
+                    json.dumps({"mode": "write", "config": cfg, "path": str(tmp)})], cwd=ROOT, check=True)
+    tmp.rename(path)
+    return path
+
+
+def child_write(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Write the model (seeded random weights) to ``cfg["path"]``, in this fresh process."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    say(f"writing the model once to {path}")
     torch.manual_seed(0)
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=base))  # renamed when complete
-    Qwen2ForCausalLM(Qwen2Config(**cfg)).save_pretrained(tmp)
-    tmp.rename(path)
-    return path
+    Qwen2ForCausalLM(Qwen2Config(**cfg["config"])).save_pretrained(cfg["path"])
+    return {"written": cfg["path"]}
 
 
 def prompt_ids() -> Any:
@@ -347,7 +357,9 @@ def bench(work: Path, runs: int, cold_runs: int, threads: int, decode_rounds: in
     pair = run(me + [json.dumps({"mode": "pair", "model": str(model), "threads": threads,
                                  "decode_rounds": decode_rounds})], env, "pair")
     say(f"  pair {pair}")
-    return {"raw": raw, "pair": pair}
+    # a child's peak RSS (wait4) is at least this process's peak: kept to judge the RSS figures by
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"raw": raw, "pair": pair, "bench_peak_rss_gb": own}
 
 
 def say(msg: str) -> None:
@@ -365,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.child:
         cfg = json.loads(args.child)
-        res = {"generate": child_generate, "load": child_load, "pair": child_pair}[cfg["mode"]](cfg)
+        res = {"generate": child_generate, "load": child_load, "pair": child_pair,
+               "write": child_write}[cfg["mode"]](cfg)
         print(json.dumps(res))
         return res
     from bench.real_report import markdown, summarize
