@@ -213,6 +213,37 @@ def test_a_model_that_builds_a_kv_cache_is_traced_plainly():
     assert _same_as_eager(captured, wrapped, [ids]) == 0.0
 
 
+class _Hidden(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).last_hidden_state
+
+
+@reuses
+@pytest.mark.parametrize("decoder", [False, True])
+def test_a_bert_encoder_reuses_its_layers_though_its_config_says_use_cache(decoder):
+    """BERT's config has ``use_cache`` on by default; its model reads it only as a decoder
+    (``config.is_decoder``): an encoder (sentence-transformers' models) builds no cache, and its
+    layers are stamped out like any other model's; the same model as a decoder is traced plainly."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+                          intermediate_size=64, is_decoder=decoder)
+    assert config.use_cache is True
+    wrapped = _Hidden(T.BertModel(config).eval())
+    ids = torch.randint(0, 128, (1, 10))
+    captured, report = repeated.capture_repeated(wrapped, [ids], [1], params_of=wrapped)
+    if decoder:
+        assert report.calls == 0 and "KV cache" in report.fallback, report
+    else:
+        assert (report.calls, report.bodies, report.stamped, report.fallback) == (6, 1, 4, ""), report
+    assert _same_as_eager(captured, wrapped, [ids]) == 0.0
+
+
 @reuses
 @pytest.mark.parametrize("kind,bodies", [("qwen2", 1), ("gemma2", 2), ("moe", 2)])
 def test_transformers_layers_one_body_per_kind(kind, bodies):

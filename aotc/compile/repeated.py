@@ -294,12 +294,44 @@ def _not_reusable(model: torch.nn.Module) -> str:
     layer's body ineligible (torch 2.13), and marking it only adds to the trace. Calling it
     with ``use_cache=False`` instead is not the same model: transformers then reads the
     position ids as packed sequences (another mask) — set ``use_cache: false`` in the config
-    where that is the model meant."""
+    where that is the model meant. An encoder's ``use_cache`` (BERT and its kin: on by default)
+    builds nothing: its model reads it only as a decoder (:func:`_builds_kv_cache`)."""
     if not regions.supported():
         return f"torch {torch.__version__} does not reuse a traced region (2.12+)"
-    if any(getattr(getattr(m, "config", None), "use_cache", False) is True for m in model.modules()):
+    if _builds_kv_cache(model):
         return "the model builds a KV cache in its forward (config.use_cache): no layer is reusable"
     return ""
+
+
+def _builds_kv_cache(model: torch.nn.Module) -> bool:
+    """Whether a transformers model builds a KV cache in its forward: a config of its with
+    ``use_cache`` on — unless that config says it is no decoder (``is_decoder`` off, not an
+    encoder-decoder) and one of the modules it configures reads ``config.is_decoder`` in its
+    forward, as BERT's encoder does to turn the cache off. A forward whose source cannot be read
+    counts as building one (the trace is then plain: slower, never wrong)."""
+    by_config: dict[int, list[torch.nn.Module]] = {}
+    configs: dict[int, Any] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "use_cache", False) is True:
+            by_config.setdefault(id(cfg), []).append(m)
+            configs[id(cfg)] = cfg
+    for key, modules in by_config.items():
+        cfg = configs[key]
+        encoder = getattr(cfg, "is_decoder", None) is False and not getattr(cfg, "is_encoder_decoder", False)
+        if not (encoder and any(_reads_is_decoder(type(m).forward) for m in modules)):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=256)
+def _reads_is_decoder(forward: Any) -> bool:
+    import inspect
+
+    try:
+        return "config.is_decoder" in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _kinds(model: torch.nn.Module, classes: Sequence[type]
