@@ -82,5 +82,12 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
     res = subprocess.run([*AOTC_CLI, "--store", str(store), "explain", str(path)], capture_output=True,
                          text=True, env=env, timeout=600)
     assert res.returncode == 0 and ": hit, key " + key[:16] in res.stdout, res.stdout + res.stderr[-2000:]
-    res = subprocess.run([*AOTC_CLI, "compile", str(path)], capture_output=True, text=True, env=env, timeout=600)
+    # a second compile (now with a signing key): found once the model is built, and signed, as
+    # an entry stored before the key was set is on any hit
+    from aotc.fleet.trust import generate_key
+
+    generate_key(tmp_path / "signer")
+    res = subprocess.run([*AOTC_CLI, "compile", str(path)], capture_output=True, text=True, timeout=600,
+                         env={**env, "AOTC_SIGNING_KEY": str(tmp_path / "signer")})
     assert res.returncode == 0 and "up to date" in res.stdout, res.stdout + res.stderr[-2000:]
+    assert Store(store).signatures(key), "the entry found once the model was built was not signed"

@@ -184,7 +184,10 @@ def _compile_built(manifest: Manifest, tiered: TieredStore, force: bool, progres
         lambda: _compile_traced(manifest, tiered, force, progress, jobs, base, seconds, model=model))
     if served.built is not None:
         return served.built
-    return _hit(served.entry, manifest, seconds, tiered.local, traces=0)
+    entry = served.entry
+    if entry is not None and tiered.signer is not None and not tiered.local.read_only:
+        tiered.sign(entry.key)  # as a hit before the build: stored before the key was set
+    return _hit(entry, manifest, seconds, tiered.local, traces=0)
 
 
 def _compile_traced(manifest: Manifest, tiered: TieredStore, force: bool, progress: Progress, jobs: int,
