@@ -62,7 +62,9 @@ def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
 
 
 # the key's process-wide settings (Inductor's and torch's): what building a model may change
-_SETTINGS = ("inductor.values.", "inductor.cpu_threads", "global.")
+# (the thread count too, but a server's differs from the compile's far more often: not looked up
+# again after a build, whose cost would only delay the miss)
+_SETTINGS = ("inductor.values.", "global.")
 
 
 def settings_moved(before: dict[str, Any], after: dict[str, Any]) -> list[str]:

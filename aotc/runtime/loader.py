@@ -85,8 +85,7 @@ def _entry_or_miss(res: Resolution, manifest: Manifest, tiered: TieredStore) -> 
                              f"process-wide settings than this process has: "
                              f"{', '.join(d.describe() for d in res.diffs[:4])}; set them as the compile "
                              f"had them (building the model as the manifest does sets them, e.g. "
-                             f"torchao's quantize_), or name them in the manifest's `inductor:` and "
-                             f"compile again")
+                             f"torchao's quantize_: `aotc.load` without `model=` builds it so)")
     raise CacheMiss(res.probe, label="lookup key (every factor but the traced sources)",
                     hint=f"{manifest.name} is not compiled for this machine{where_remote}{why}; run "
                          f"`aotc compile {where}` (and `aotc explain {where}` to see why)")
