@@ -190,12 +190,14 @@ def _hf(kind: str, layers: int = 6) -> torch.nn.Module:
 
 
 class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
+    """A transformers model called by its ids, one field of its output returned."""
+
+    def __init__(self, model: torch.nn.Module, field: str = "logits") -> None:
         super().__init__()
-        self.model = model
+        self.model, self.field = model, field
 
     def forward(self, ids):
-        return self.model(input_ids=ids).logits
+        return getattr(self.model(input_ids=ids), self.field)
 
 
 @reuses
@@ -213,15 +215,6 @@ def test_a_model_that_builds_a_kv_cache_is_traced_plainly():
     assert _same_as_eager(captured, wrapped, [ids]) == 0.0
 
 
-class _Hidden(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids).last_hidden_state
-
-
 @reuses
 @pytest.mark.parametrize("decoder", [False, True])
 def test_a_bert_encoder_reuses_its_layers_though_its_config_says_use_cache(decoder):
@@ -234,7 +227,7 @@ def test_a_bert_encoder_reuses_its_layers_though_its_config_says_use_cache(decod
     config = T.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
                           intermediate_size=64, is_decoder=decoder)
     assert config.use_cache is True
-    wrapped = _Hidden(T.BertModel(config).eval())
+    wrapped = _Logits(T.BertModel(config).eval(), "last_hidden_state")
     ids = torch.randint(0, 128, (1, 10))
     captured, report = repeated.capture_repeated(wrapped, [ids], [1], params_of=wrapped)
     if decoder:
