@@ -216,6 +216,21 @@ def test_a_model_that_builds_a_kv_cache_is_traced_plainly():
 
 
 @reuses
+def test_a_gpt_neox_builds_a_kv_cache_though_its_docstring_sets_is_decoder():
+    """GPT-NeoX (Pythia): decoder-only, ``is_decoder`` off in its config, and its forward's
+    docstring example sets ``config.is_decoder``: its cache is built, its layers are not reused."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    config = T.GPTNeoXConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64)
+    assert config.use_cache is True and config.is_decoder is False
+    wrapped = _Logits(T.GPTNeoXForCausalLM(config).eval())
+    captured, report = repeated.capture_repeated(wrapped, [torch.randint(0, 128, (1, 10))], [1], params_of=wrapped)
+    assert report.calls == 0 and "KV cache" in report.fallback, report
+
+
+@reuses
 @pytest.mark.parametrize("decoder", [False, True])
 def test_a_bert_encoder_reuses_its_layers_though_its_config_says_use_cache(decoder):
     """BERT's config has ``use_cache`` on by default; its model reads it only as a decoder

@@ -306,9 +306,10 @@ def _not_reusable(model: torch.nn.Module) -> str:
 def _builds_kv_cache(model: torch.nn.Module) -> bool:
     """Whether a transformers model builds a KV cache in its forward: a config of its with
     ``use_cache`` on — unless that config says it is no decoder (``is_decoder`` off, not an
-    encoder-decoder) and one of the modules it configures reads ``config.is_decoder`` in its
-    forward, as BERT's encoder does to turn the cache off. A forward whose source cannot be read
-    counts as building one (the trace is then plain: slower, never wrong)."""
+    encoder-decoder) and one of the modules it configures sets ``use_cache`` under
+    ``if config.is_decoder:`` in its forward, as BERT's encoder does to turn the cache off. A
+    forward whose source cannot be read counts as building one (the trace is then plain: slower,
+    never wrong)."""
     by_config: dict[int, list[torch.nn.Module]] = {}
     configs: dict[int, Any] = {}
     for m in model.modules():
@@ -326,12 +327,28 @@ def _builds_kv_cache(model: torch.nn.Module) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _reads_is_decoder(forward: Any) -> bool:
+    """Whether ``forward``'s code (not its docstring: GPT-NeoX's example sets
+    ``config.is_decoder``) sets ``use_cache`` under ``if ….config.is_decoder:``, as BERT's does."""
+    import ast
     import inspect
+    import textwrap
 
     try:
-        return "config.is_decoder" in inspect.getsource(forward)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
         return False
+
+    def is_decoder_test(test: ast.expr) -> bool:
+        return isinstance(test, ast.Attribute) and test.attr == "is_decoder" and (
+            isinstance(test.value, ast.Attribute) and test.value.attr == "config"
+            or isinstance(test.value, ast.Name) and test.value.id == "config")
+
+    def sets_use_cache(nodes: list[ast.stmt]) -> bool:
+        return any(isinstance(t, ast.Name) and t.id == "use_cache"
+                   for n in nodes for a in ast.walk(n) if isinstance(a, ast.Assign) for t in a.targets)
+
+    return any(isinstance(n, ast.If) and is_decoder_test(n.test) and sets_use_cache([*n.body, *n.orelse])
+               for n in ast.walk(tree))
 
 
 def _kinds(model: torch.nn.Module, classes: Sequence[type]
