@@ -91,3 +91,17 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
                          env={**env, "AOTC_SIGNING_KEY": str(tmp_path / "signer")})
     assert res.returncode == 0 and "up to date" in res.stdout, res.stdout + res.stderr[-2000:]
     assert Store(store).signatures(key), "the entry found once the model was built was not signed"
+
+
+def test_a_manifest_that_patches_the_options_its_build_turns_on_compiles_under_one_key(tmp_path: Path) -> None:
+    # the build moves the settings read, not the key (the manifest sets the same options): the
+    # compile goes on under the lease it holds (it waited on that lease before: a deadlock until
+    # the lease wait ran out)
+    path = tmp_path / "tuned.yaml"
+    path.write_text(yaml.safe_dump({**MANIFEST, "inductor": {"coordinate_descent_tuning": True,
+                                                             "force_fuse_int_mm_with_mul": True}}))
+    env = {**python_env(), "AOTC_STORE": str(tmp_path / "store"), "AOTC_LEASE_WAIT": "30"}
+    res = subprocess.run([*AOTC_CLI, "compile", str(path), "--json"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout)["hit"] is False and "changed process-wide settings" not in res.stderr

@@ -20,7 +20,14 @@ from aotc.compile.pieces import build_for_trace, piece_records, trace_and_split
 from aotc.context import Context
 from aotc.errors import AotcError, NumericMismatchError
 from aotc.fleet.tiered import TieredStore, Wanted
-from aotc.lookup.resolve import base_factors, factory_source, full_factors, resolve, settings_moved
+from aotc.lookup.resolve import (
+    base_factors,
+    differs_in_settings,
+    factory_source,
+    full_factors,
+    resolve,
+    settings_moved,
+)
 from aotc.lookup.stores import as_manifest, open_store
 from aotc.lookup.toolchain import fingerprint, machine_factors, remember_fresh_values
 from aotc.manifest import Manifest
@@ -136,6 +143,12 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
             return _hit(found.entry, manifest, seconds, store, traces=0)
     seconds["lookup"] = time.perf_counter() - t
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
+        if not force and differs_in_settings(found.diffs):  # keyed as they are once it is built
+            build_for_trace(manifest, progress, seconds)
+            found = resolve(manifest, store, machine_factors(manifest.device, store.base / "toolchain"),
+                            record=False)
+            if found.entry is not None:
+                return _hit(found.entry, manifest, seconds, store, traces=0)
         raise StoreReadOnlyError(str(store.root), "compile into it")
 
     def compile_here() -> CompileResult:
@@ -174,9 +187,11 @@ def _compile_built(manifest: Manifest, tiered: TieredStore, force: bool, progres
     first — a store that has it is a hit, built by a process that built the model too."""
     machine = machine_factors(manifest.device, tiered.local.base / "toolchain")
     base = base_factors(manifest, machine)
-    if force or machine == looked_up:
-        return _compile_traced(manifest, tiered, force, progress, jobs, base, seconds, model=model)
+    # the key's factors, not the settings read: a setting the manifest patches moves no key (and
+    # the lease of an unchanged key is the one this process holds)
     moved = settings_moved(base_factors(manifest, looked_up), base)
+    if force or not moved:
+        return _compile_traced(manifest, tiered, force, progress, jobs, base, seconds, model=model)
     progress.note(f"building the model changed process-wide settings ({', '.join(moved[:4])}): "
                   "keyed and compiled as they are now")
     served = tiered.get_or_build(

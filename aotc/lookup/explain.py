@@ -23,8 +23,13 @@ def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str,
         # a compile and a load key it: built here, and looked up again
         from aotc.model.build import build_model
 
-        build_model(m)
-        after = machine_factors(m.device, store.base / "toolchain")
+        try:
+            build_model(m)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be built here: the report as it stands
+            after = machine
+            built = f" (the model could not be built to read the settings its build sets: {type(e).__name__})"
+        else:
+            after = machine_factors(m.device, store.base / "toolchain")
         if after != machine:
             res = resolve(m, store, after, record=False)
             built = " (keyed with the settings building the model set)"
@@ -39,7 +44,7 @@ def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str,
     return {"hit": False, "key": None, "probe": res.probe, "closest": res.closest.key, "differences": diffs,
             "summary": f"{m.name}: miss; lookup key {res.probe[:16]}… (every factor but the "
                        f"traced sources); the closest stored entry, key {res.closest.key[:16]}…, "
-                       f"differs in {len(diffs)} factor(s) (stored -> current):"}
+                       f"differs in {len(diffs)} factor(s) (stored -> current){built}:"}
 
 
 def match_key(text: str, keys_with_prefix: Callable[[str], list[str]], where: str,

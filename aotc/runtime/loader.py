@@ -232,9 +232,11 @@ def _by_manifest(manifest: Manifest, model: Any, device: str | None, context: Co
     tiered = context.open_tiered(manifest)
     machine = machine_factors(manifest.device, tiered.local.base / "toolchain")
     res = _resolve(manifest, tiered, timings, machine)
-    if model is None and res.entry is None and differs_in_settings(res.diffs):
+    if model is None and res.entry is None and res.corrupt is None and (
+            differs_in_settings(res.diffs) or res.closest is None and tiered.remote is not None):
         # an entry compiled under the settings this model's build sets (torchao's quantize_
         # turns Inductor options on): keyed as they are once it is built — built first, then
+        # (a remote's entries are not compared before a pull: with one, any miss builds)
         model = _build(manifest, timings)
         built = machine_factors(manifest.device, tiered.local.base / "toolchain")
         if built != machine:
