@@ -305,3 +305,35 @@ def test_the_load_pauses_the_garbage_collector_and_puts_it_back() -> None:
         assert not gc.isenabled()  # a server that runs with the GC off keeps it off
     finally:
         gc.enable()
+
+
+_INT8 = """import json, sys, torch, aotc
+from aotc._torch.inductor_facts import counters_snapshot
+from tests.fixtures.more_client_models import int8_llama
+store, mode = sys.argv[1:3]
+model = int8_llama(layers=1)
+ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+if mode == "build":
+    aotc.precompile(model, example_inputs=[((), {"input_ids": ids})], store=store, name="int8")
+    print(json.dumps({}))
+else:
+    p = aotc.precompiled(model, name="int8", store=store, precompile_missing=False)
+    err = float((p(input_ids=ids).logits - model(input_ids=ids).logits).abs().max())
+    c = counters_snapshot()
+    print(json.dumps({"served": p.served, "traced": p.traced, "err": err, "frames": c["frames_traced"]}))
+"""
+
+
+@pytest.mark.slow
+def test_torchao_int8_weights_are_precompiled_and_served_with_no_trace(tmp_path: Path) -> None:
+    # Dynamo's guard pickler could not save an Int8Tensor weight's guards (it has no empty_like,
+    # and torchao's extra_repr on each Linear is a bound partial): precompile refused, and every
+    # warm start traced the model (aotc._torch.precompile fills both gaps while it saves)
+    pytest.importorskip("torchao")
+    store = tmp_path / "s"
+    for mode in ("build", "serve"):  # each its own process: quantize_ sets Inductor options process-wide
+        out = subprocess.run([PYTHON, "-c", _INT8, str(store), mode], capture_output=True, text=True,
+                             env=python_env(), timeout=600)
+        assert out.returncode == 0, (mode, out.stderr[-3000:])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["served"] == 1 and got["traced"] == 0 and got["frames"] == 0 and got["err"] < 1e-4, got

@@ -16,14 +16,18 @@ What aotc adds to torch's own ``aot_compile_fullgraph``:
 * **Globals Dynamo installed.** The bytecode may load a module through a global Dynamo added to
   the traced function's module (``___module_collections_…``); it is recorded as an import so a
   fresh process finds it.
+* **Tensor-subclass weights' guards saved** (torchao's ``Int8Tensor``): two gaps of Dynamo's
+  guard pickler filled while a capture saves them (:func:`_saveable_subclass_guards`).
 * **Loading** passes the traced function's module globals (a guard on ``G['torch']`` reads them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -160,7 +164,7 @@ def capture(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 
     fn, bound = traced_function(target)
     method = types.MethodType(fn, bound) if bound is not None else fn
-    with _compile_lock():  # Dynamo's own: a torch.compile trace in another thread waits
+    with _compile_lock(), _saveable_subclass_guards():  # Dynamo's lock: a torch.compile trace in another thread waits
         for attempt in range(_RESTARTS + 1):
             found: list[tuple[str, str]] = []
             try:
@@ -175,6 +179,61 @@ def capture(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     set_identities(compiled, found)
     compiled.disable_guard_check()  # checked once per call by guards_pass
     return compiled
+
+
+class _MetaLikeSubclass(torch.overrides.TorchFunctionMode):
+    """``torch.empty_like(x, device="meta")`` for a tensor subclass that does not implement it:
+    the subclass rebuilt from meta copies of its inner tensors (what Dynamo's unpickler reads of
+    it: its type, shape and strides)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.empty_like or not args or str(kwargs.get("device")) != "meta":
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except NotImplementedError:
+            obj = args[0]
+            attrs, ctx = obj.__tensor_flatten__()
+            inner = {a: torch.empty_like(getattr(obj, a), device="meta") for a in attrs}
+            return type(obj).__tensor_unflatten__(inner, ctx, obj.shape, obj.stride())
+
+
+@contextlib.contextmanager
+def _saveable_subclass_guards() -> Iterator[None]:
+    """Dynamo's guard pickler (``GuardsStatePickler``, torch 2.13) with two gaps filled, while a
+    capture saves its guards, for tensor-subclass weights (torchao's ``Int8Tensor``): it makes a
+    meta copy of a subclass with ``empty_like``, which the subclass may not implement
+    (:class:`_MetaLikeSubclass`); and it names a bound method's function by ``__name__``, which a
+    ``functools.partial`` lacks (torchao replaces each quantized Linear's ``extra_repr`` with one):
+    saved as (function, instance), as the pickler saves any rebound method. Only what torch would
+    raise on is handled; a torch without the pickler is left as it is."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    try:
+        from torch._dynamo.guards import GuardsStatePickler
+    except ImportError:
+        yield
+        return
+    original = getattr(GuardsStatePickler, "reducer_override", None)
+    rebind = getattr(GuardsStatePickler, "_unpickle_bound_method", None)
+    if original is None or rebind is None:
+        yield
+        return
+
+    def reducer_override(self: Any, obj: Any) -> Any:
+        if inspect.ismethod(obj) and not hasattr(obj.__func__, "__name__"):
+            return rebind, (obj.__func__, obj.__self__)
+        if isinstance(obj, torch.Tensor) and is_traceable_wrapper_subclass(obj):
+            with _MetaLikeSubclass():
+                return original(self, obj)
+        return original(self, obj)
+
+    GuardsStatePickler.reducer_override = reducer_override  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GuardsStatePickler.reducer_override = original  # type: ignore[method-assign]
 
 
 def _compile_lock() -> Any:
