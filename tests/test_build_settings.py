@@ -70,6 +70,11 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
     env = {**python_env(), "AOTC_STORE": str(store), "AOTC_LEASE_WAIT": "30"}
     key = json.loads(_cli("compile", str(path), "--json", env=env).stdout)["key"]
     from aotc.cache import Store
+    from aotc.cache.scan import scan
+
+    # one miss for each key looked up (before the build, after it), not one more for each re-check
+    # of the store under the node's lease
+    assert scan(Store(store)).misses == 2
 
     values = Store(store).get(key).factors["inductor"]["values"]
     assert values["coordinate_descent_tuning"] is True and values["force_fuse_int_mm_with_mul"] is True, \
@@ -99,5 +104,7 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
     patched = tmp_path / "patched.yaml"
     patched.write_text(yaml.safe_dump({**MANIFEST, "inductor": {"coordinate_descent_tuning": True,
                                                                 "force_fuse_int_mm_with_mul": True}}))
+    misses = scan(Store(store)).misses
     res = _cli("compile", str(patched), "--json", env=env)
     assert json.loads(res.stdout)["hit"] is False and "changed process-wide settings" not in res.stderr
+    assert scan(Store(store)).misses == misses + 1  # a compile is one miss

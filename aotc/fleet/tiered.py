@@ -191,8 +191,10 @@ class TieredStore:
             return Served(entry=entry)
         from aotc.fleet.local_lease import node_single_flight
 
-        def here() -> Served[T] | None:  # the same lookup as the first
-            found = self._local(want)
+        def here() -> Served[T] | None:  # the same lookup as the first (its miss counted once)
+            found = self._local(want, record=False)
+            if found is not None and want.key is None:
+                self.local.get(found.key)  # a hit counted (and the entry's last use)
             return None if found is None else Served(entry=found)
 
         return node_single_flight(self.local, self._lease_id(want), want.what, here,
@@ -265,11 +267,11 @@ class TieredStore:
         return entry
 
     # -- the parts ---------------------------------------------------------------------------
-    def _local(self, want: Wanted) -> Entry | None:
+    def _local(self, want: Wanted, record: bool = True) -> Entry | None:
         if want.key is not None:
             entry = self.local.get(want.key) if self.local.has(want.key) else None
         else:
-            entry = resolve_probe(want.probe, self.local, record=True).entry  # type: ignore[arg-type]  # by_key or by_probe
+            entry = resolve_probe(want.probe, self.local, record=record).entry  # type: ignore[arg-type]  # by_key or by_probe
         if entry is None:
             return None
         try:
