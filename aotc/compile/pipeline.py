@@ -25,8 +25,8 @@ from aotc.lookup.resolve import (
     differs_in_settings,
     factory_source,
     full_factors,
+    reread_after_build,
     resolve,
-    settings_moved,
 )
 from aotc.lookup.stores import as_manifest, open_store
 from aotc.lookup.toolchain import fingerprint, machine_factors, remember_fresh_values
@@ -145,8 +145,8 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     if store.read_only:  # an up-to-date entry is fine to report; building one is not
         if not force and differs_in_settings(found.diffs):  # keyed as they are once it is built
             build_for_trace(manifest, progress, seconds)
-            found = resolve(manifest, store, machine_factors(manifest.device, store.base / "toolchain"),
-                            record=False)
+            built, moved = reread_after_build(manifest, toolchain, store.base / "toolchain")
+            found = resolve(manifest, store, built, record=False) if moved else found
             if found.entry is not None:
                 return _hit(found.entry, manifest, seconds, store, traces=0)
         raise StoreReadOnlyError(str(store.root), "compile into it")
@@ -185,11 +185,10 @@ def _compile_built(manifest: Manifest, tiered: TieredStore, force: bool, progres
     (torchao's ``quantize_`` turns Inductor options on) compiles under them, so its key is not
     the one looked up before the build (``looked_up``'s): that key is looked up (and leased)
     first — a store that has it is a hit, built by a process that built the model too."""
-    machine = machine_factors(manifest.device, tiered.local.base / "toolchain")
+    # (a setting the manifest patches moves no key: the lease of an unchanged key is the one
+    # this process holds)
+    machine, moved = reread_after_build(manifest, looked_up, tiered.local.base / "toolchain")
     base = base_factors(manifest, machine)
-    # the key's factors, not the settings read: a setting the manifest patches moves no key (and
-    # the lease of an unchanged key is the one this process holds)
-    moved = settings_moved(base_factors(manifest, looked_up), base)
     if force or not moved:
         return _compile_traced(manifest, tiered, force, progress, jobs, base, seconds, model=model)
     progress.note(f"building the model changed process-wide settings ({', '.join(moved[:4])}): "

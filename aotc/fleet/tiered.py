@@ -153,26 +153,28 @@ class TieredStore:
                                                    f"has entry {key[:16]}…")
         return entry
 
-    def find(self, manifest: Any, machine: dict[str, Any] | None = None) -> Resolution:
+    def find(self, manifest: Any, machine: dict[str, Any] | None = None,
+             record_miss: bool = True) -> Resolution:
         """What ``manifest`` compiles to on this ``machine`` (default: this one's toolchain
         factors, memoized in the store): resolved in the local tier, else pulled through from the
         remote and resolved again. A local entry that exists but is damaged is reported
-        (``Resolution.corrupt``), not replaced from the remote."""
+        (``Resolution.corrupt``), not replaced from the remote. ``record_miss=False``: a miss is
+        left for the caller to count (``Resolution.record_miss``)."""
         if machine is None:
             from aotc.lookup.toolchain import machine_factors
 
             machine = machine_factors(manifest.device, self.local.base / "toolchain")
-        return self.find_probe(manifest_probe(manifest, machine))
+        return self.find_probe(manifest_probe(manifest, machine), record_miss=record_miss)
 
-    def find_probe(self, probe: Probe, wait: bool = True) -> Resolution:
+    def find_probe(self, probe: Probe, wait: bool = True, record_miss: bool = True) -> Resolution:
         """The current entry behind ``probe``: resolved in the local tier, else pulled through
         from the remote (waiting on a live compile lease when ``wait``) and resolved again."""
         self._safe()
-        found = resolve_probe(probe, self.local, record=True)
+        found = resolve_probe(probe, self.local, record_miss=record_miss)
         if found.entry is None and found.corrupt is None and self.remote is not None:
             want = Wanted.by_probe(probe)
             if (self._pull_or_wait(want) if wait else self._pull(want)) is not None:
-                found = resolve_probe(probe, self.local, record=True)
+                found = resolve_probe(probe, self.local, record_miss=record_miss)
         if found.entry is not None:
             self._checked(found.entry)
         return found
@@ -192,9 +194,7 @@ class TieredStore:
         from aotc.fleet.local_lease import node_single_flight
 
         def here() -> Served[T] | None:  # the same lookup as the first (its miss counted once)
-            found = self._local(want, record=False)
-            if found is not None and want.key is None:
-                self.local.get(found.key)  # a hit counted (and the entry's last use)
+            found = self._local(want, record_miss=False)
             return None if found is None else Served(entry=found)
 
         return node_single_flight(self.local, self._lease_id(want), want.what, here,
@@ -267,11 +267,12 @@ class TieredStore:
         return entry
 
     # -- the parts ---------------------------------------------------------------------------
-    def _local(self, want: Wanted, record: bool = True) -> Entry | None:
+    def _local(self, want: Wanted, record_miss: bool = True) -> Entry | None:
         if want.key is not None:
             entry = self.local.get(want.key) if self.local.has(want.key) else None
         else:
-            entry = resolve_probe(want.probe, self.local, record=record).entry  # type: ignore[arg-type]  # by_key or by_probe
+            entry = resolve_probe(want.probe, self.local,  # type: ignore[arg-type]  # by_key or by_probe
+                                  record_miss=record_miss).entry
         if entry is None:
             return None
         try:

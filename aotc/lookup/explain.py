@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from aotc.cache import Store
-from aotc.lookup.resolve import differs_in_settings, resolve
+from aotc.lookup.resolve import differs_in_settings, reread_after_build, resolve
 from aotc.lookup.toolchain import machine_factors
 from aotc.manifest import Manifest, load_manifest
 
@@ -26,13 +26,12 @@ def explain_manifest(manifest: Manifest | str | Path, store: Store) -> dict[str,
         try:
             build_model(m)
         except Exception as e:  # noqa: BLE001 - a model that cannot be built here: the report as it stands
-            after = machine
             built = f" (the model could not be built to read the settings its build sets: {type(e).__name__})"
         else:
-            after = machine_factors(m.device, store.base / "toolchain")
-        if after != machine:
-            res = resolve(m, store, after, record=False)
-            built = " (keyed with the settings building the model set)"
+            after, moved = reread_after_build(m, machine, store.base / "toolchain")
+            if moved:
+                res = resolve(m, store, after, record=False)
+                built = " (keyed with the settings building the model set)"
     if res.entry is not None:
         return {"hit": True, "key": res.entry.key, "closest": res.entry.key, "differences": [],
                 "summary": f"{m.name}: hit, key {res.entry.key[:16]}… is in {store.root}{built}"}

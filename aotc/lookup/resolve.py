@@ -22,7 +22,7 @@ from aotc.cache import CacheMiss, CorruptedCacheError, Entry, Store
 from aotc.counters import COUNTERS
 from aotc.lookup.compile_logic import compile_logic_hash
 from aotc.lookup.filehash import file_sha256
-from aotc.lookup.toolchain import codegen_env
+from aotc.lookup.toolchain import codegen_env, machine_factors
 from aotc.manifest import Manifest, thaw
 from aotc.records.key import FORMAT_VERSION, FactorDiff, compute_key, explain
 
@@ -70,6 +70,18 @@ _SETTINGS = ("inductor.values.", "global.")
 def settings_moved(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """The key's fields that differ between two sets of factors (dotted paths)."""
     return [d.path for d in explain(before, after)]
+
+
+def reread_after_build(manifest: Manifest, before: dict[str, Any],
+                       memo_dir: Path | None) -> tuple[dict[str, Any], list[str]]:
+    """Once the manifest's model is built: this machine's factors read again
+    (:func:`aotc.lookup.toolchain.machine_factors`, memo in ``memo_dir``) and the key's fields
+    the build moved since ``before`` (dotted paths). Compared as key factors, not as settings
+    read: a setting the manifest patches moves no key. The one place every door (compile, load,
+    explain) asks whether a build changed the key (torchao's ``quantize_`` turns Inductor options
+    on process-wide) before it looks up again."""
+    after = machine_factors(manifest.device, memo_dir)
+    return after, settings_moved(base_factors(manifest, before), base_factors(manifest, after))
 
 
 def is_setting(path: str) -> bool:
@@ -206,10 +218,17 @@ class Resolution:
     closest: Entry | None = None
     diffs: tuple[FactorDiff, ...] = ()
     corrupt: CorruptedCacheError | None = None  # a same-probe entry found damaged on the way
+    miss: tuple[str, str] | None = None  # what the store's stats record for this miss (key, why)
 
     @property
     def hit(self) -> bool:
         return self.entry is not None
+
+    def record_miss(self, store: Store) -> None:
+        """Count this miss in ``store``'s stats (a lookup made with ``record_miss=False``, whose
+        caller knows only later that it stands: a build may move the key onto a hit)."""
+        if self.entry is None and self.miss is not None:
+            store.record_miss(*self.miss)
 
 
 def sources_unchanged(key: str, code: dict[str, str], base: dict[str, Any], manifest: Manifest) -> bool:
@@ -232,9 +251,13 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
     return resolve_probe(manifest_probe(manifest, machine), store, record)
 
 
-def resolve_probe(want: Probe, store: Store, record: bool = True) -> Resolution:
+def resolve_probe(want: Probe, store: Store, record: bool = True,
+                  record_miss: bool | None = None) -> Resolution:
     """The newest stored entry behind ``want``'s probe that is current (:class:`Probe`); else
-    the closest entry and how it differs."""
+    the closest entry and how it differs. ``record``: count the hit or miss in the store's stats
+    (``record_miss``, when given, for a miss alone: a second look after a first that counted it)."""
+    if record_miss is None:
+        record_miss = record
     probe = want.key
     rows = store.entry_rows(probe)  # bad entries too: get() raises for them, so a lookup says why
     candidates = []
@@ -265,9 +288,11 @@ def resolve_probe(want: Probe, store: Store, record: bool = True) -> Resolution:
             newest_miss = (cand, tuple(explain(cand.factors, current)))
     if newest_miss is not None:
         cand, cand_diffs = newest_miss
-        if record:
-            store.record_miss(cand.key, "; ".join(d.describe() for d in cand_diffs)[:500])
-        return Resolution(probe, None, cand, cand_diffs, corrupt)
+        res = Resolution(probe, None, cand, cand_diffs, corrupt,
+                         miss=(cand.key, "; ".join(d.describe() for d in cand_diffs)[:500]))
+        if record_miss:
+            res.record_miss(store)
+        return res
     # No entry with the same probe: diff against the newest entry of the same name, if any.
     same_name = store.newest_key_named(want.name)
     closest = None
@@ -278,6 +303,7 @@ def resolve_probe(want: Probe, store: Store, record: bool = True) -> Resolution:
             diffs = tuple(explain(closest.factors, want.current_factors(closest.factors)))
         except (CacheMiss, CorruptedCacheError):
             closest = None
-    if record:
-        store.record_miss(probe, want.name)
-    return Resolution(probe, None, closest, diffs, corrupt)
+    res = Resolution(probe, None, closest, diffs, corrupt, miss=(probe, want.name))
+    if record_miss:
+        res.record_miss(store)
+    return res

@@ -24,7 +24,7 @@ from aotc.context import Context
 from aotc.errors import LoadError
 from aotc.fleet.tiered import TieredStore
 from aotc.log import configure
-from aotc.lookup.resolve import Resolution, differs_in_settings, is_setting
+from aotc.lookup.resolve import Resolution, differs_in_settings, is_setting, reread_after_build
 from aotc.lookup.stores import as_manifest
 from aotc.lookup.toolchain import machine_factors
 from aotc.manifest import Manifest
@@ -54,9 +54,10 @@ def _workdir() -> Path:
     return path
 
 
-def _resolve(manifest: Manifest, tiered: TieredStore, timings: Timings, machine: dict[str, Any]) -> Resolution:
+def _resolve(manifest: Manifest, tiered: TieredStore, timings: Timings, machine: dict[str, Any],
+             record_miss: bool = True) -> Resolution:
     t = time.perf_counter()
-    res = tiered.find(manifest, machine)  # the local tier, else pulled through from the remote
+    res = tiered.find(manifest, machine, record_miss)  # the local tier, else pulled through from the remote
     timings.add("resolve", time.perf_counter() - t - tiered.pull_seconds)
     if tiered.pulled_bytes:
         timings.add("pull", tiered.pull_seconds)
@@ -231,16 +232,17 @@ def _by_manifest(manifest: Manifest, model: Any, device: str | None, context: Co
         manifest = manifest.replace(device=device)
     tiered = context.open_tiered(manifest)
     machine = machine_factors(manifest.device, tiered.local.base / "toolchain")
-    res = _resolve(manifest, tiered, timings, machine)
+    res = _resolve(manifest, tiered, timings, machine, record_miss=False)  # counted below
     if model is None and res.entry is None and res.corrupt is None and (
             differs_in_settings(res.diffs) or res.closest is None and tiered.remote is not None):
         # an entry compiled under the settings this model's build sets (torchao's quantize_
         # turns Inductor options on): keyed as they are once it is built — built first, then
         # (a remote's entries are not compared before a pull: with one, any miss builds)
         model = _build(manifest, timings)
-        built = machine_factors(manifest.device, tiered.local.base / "toolchain")
-        if built != machine:
-            res = _resolve(manifest, tiered, timings, built)
+        built, moved = reread_after_build(manifest, machine, tiered.local.base / "toolchain")
+        if moved:
+            res = _resolve(manifest, tiered, timings, built, record_miss=False)
+    res.record_miss(tiered.local)  # one lookup's miss, if it stands
     entry = _entry_or_miss(res, manifest, tiered)
     if model is None:
         model = _build(manifest, timings)
