@@ -63,7 +63,8 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return res
 
 
-def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_every_process(tmp_path: Path) -> None:
+def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_every_process(
+        tmp_path: Path, s3) -> None:
     path = tmp_path / "tuned.yaml"
     path.write_text(yaml.safe_dump(MANIFEST))
     store = tmp_path / "store"
@@ -97,10 +98,22 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
     # an entry stored before the key was set is on any hit
     from aotc.fleet.trust import generate_key
 
-    generate_key(tmp_path / "signer")
+    public = generate_key(tmp_path / "signer")
     res = _cli("compile", str(path), env={**env, "AOTC_SIGNING_KEY": str(tmp_path / "signer")})
     assert "up to date" in res.stdout, res.stdout
     assert Store(store).signatures(key), "the entry found once the model was built was not signed"
+    # a new node with only the remote, trusting the build's key: its first look (the settings as
+    # its process has them) finds nothing there; the model built, the key it moved to is pulled
+    # through — nothing compiled, no miss counted
+    url = f"s3://{s3()}/fleet"
+    _cli("--store", str(store), "push", key, "--to", url, env=env)
+    node = tmp_path / "node-store"
+    node_env = {**env, "AOTC_STORE": str(node), "AOTC_REMOTE": url, "AOTC_TRUST_KEYS": public}
+    res = subprocess.run([PYTHON, "-c", SERVE, str(path), str(node), "built-by-load"], capture_output=True,
+                         text=True, env=node_env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert set(json.loads(res.stdout.strip().splitlines()[-1])["keys"]) == {key}
+    assert Store(node).keys() == [key] and scan(Store(node)).misses == 0
     # a manifest that patches the options its build turns on: the build moves the settings read,
     # not the key — compiled under the lease it holds, not through the moved path (which leased
     # that key again: a wait until the lease wait ran out); its pieces are the first entry's
