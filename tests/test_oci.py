@@ -198,7 +198,8 @@ def _bcrypt_line(user: str, password: str) -> str | None:
         try:
             import crypt
 
-            hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+            # cost 4 (bcrypt's least): the registry checks the password on every request
+            hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
         except (ImportError, ValueError, OSError, AttributeError):
             return None
     return f"{user}:{hashed}" if hashed and hashed.startswith("$2") else None
