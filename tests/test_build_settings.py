@@ -102,6 +102,7 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
     res = _cli("compile", str(path), env={**env, "AOTC_SIGNING_KEY": str(tmp_path / "signer")})
     assert "up to date" in res.stdout, res.stdout
     assert Store(store).signatures(key), "the entry found once the model was built was not signed"
+    assert scan(Store(store)).misses == 3  # up to date: no miss counted (its first look was one)
     # a new node with only the remote, trusting the build's key: its first look (the settings as
     # its process has them) finds nothing there; the model built, the key it moved to is pulled
     # through — nothing compiled, no miss counted

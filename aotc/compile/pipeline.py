@@ -142,13 +142,20 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
                 tiered.sign(found.entry.key)  # stored before the key was set: signed now
             return _hit(found.entry, manifest, seconds, store, traces=0)
     seconds["lookup"] = time.perf_counter() - t
-    if store.read_only:  # an up-to-date entry is fine to report; building one is not
-        if not force and differs_in_settings(found.diffs):  # keyed as they are once it is built
-            build_for_trace(manifest, progress, seconds)
-            built, moved = reread_after_build(manifest, toolchain, store.base / "toolchain")
-            found = resolve(manifest, store, built, record=False) if moved else found
+    built_model = None
+    if not force and differs_in_settings(found.diffs):
+        # the closest entry differs in process-wide settings, which building the model may set
+        # (torchao's quantize_): keyed as they are once it is built — built first, and looked up
+        # again (an up-to-date entry found so is a compile's hit: no lease, no miss counted)
+        built_model = build_for_trace(manifest, progress, seconds)
+        built, moved = reread_after_build(manifest, toolchain, store.base / "toolchain")
+        if moved:
+            toolchain, found = built, resolve(manifest, store, built, record=False)
             if found.entry is not None:
+                if signer is not None and not store.read_only:
+                    tiered.sign(found.entry.key)
                 return _hit(found.entry, manifest, seconds, store, traces=0)
+    if store.read_only:  # an up-to-date entry is fine to report; building one is not
         raise StoreReadOnlyError(str(store.root), "compile into it")
 
     def compile_here() -> CompileResult:
@@ -160,7 +167,7 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
         header_build.start_header_build(dict(manifest.inductor), manifest.device)
         seconds["isa_probes"] = time.perf_counter() - t
         try:
-            model = build_for_trace(manifest, progress, seconds)
+            model = built_model if built_model is not None else build_for_trace(manifest, progress, seconds)
             return _compile_built(manifest, tiered, force, progress, jobs, toolchain, seconds, model)
         finally:  # the kernels' header build it started ends with this call (nothing left behind)
             header_build.wait_for_header_builds()
