@@ -73,7 +73,8 @@ def test_aotcs_readers_see_what_torch_hashes(change: str) -> None:
                 m["torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction"],
                 m["torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"]) == \
             ("ieee" if raw[0] == "none" else raw[0], *raw[1:])
-        assert ours["default_dtype"] == str(theirs["default_dtype"])
+        # keyed on every torch (2.11's details lack it: aotc reads it there all the same)
+        assert ours["default_dtype"] == str(theirs.get("default_dtype", torch.get_default_dtype()))
         assert ours["cache_key_tag"] == theirs["cache_key_tag"]
         assert ours["custom_backend_passes"] == [] and ours["custom_backend_codegen_configs"] == {}
     finally:
@@ -188,6 +189,9 @@ def test_the_field_list_is_read_without_hashing_tritons_source() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("with CUDA the Triton hash is kept: torch's own get_system runs")
+    if gf._system_info_without_triton() is None:
+        pytest.skip(f"torch {torch.__version__} lays get_system out otherwise (2.11 imports triton_key "
+                    "inside it): torch's own runs, as documented")
     before = CacheBase.get_system.cache_info()
     mine = gf._details()
     after = CacheBase.get_system.cache_info()
@@ -210,6 +214,9 @@ def test_a_piece_compile_does_not_hash_tritons_source_either(tmp_path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("with CUDA the Triton hash is kept: torch's own get_system runs")
+    if gf._system_info_without_triton() is None:
+        pytest.skip(f"torch {torch.__version__} lays get_system out otherwise (2.11 imports triton_key "
+                    "inside it): torch's own runs, as documented")
     before = CacheBase.get_system.cache_info()
     piece = inductor_compile.compile_piece(sigmoid_times_three_graph(), [torch.randn(4, 8)], None, tmp_path / "p")
     after = CacheBase.get_system.cache_info()

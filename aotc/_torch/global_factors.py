@@ -15,7 +15,8 @@ store's toolchain memo). Each field is one of:
   Inductor) and keyed as it is: a new global factor enters the key unasked. A value with no
   stable spelling is a ``TypeError``, never skipped.
 
-Beside torch's own fields, :data:`EXTRA_READERS` keys settings Inductor reads while generating
+Beside torch's own fields, :data:`ALWAYS` names those keyed even where an older torch does not
+hash them (the default dtype, from torch 2.12), and :data:`EXTRA_READERS` keys settings Inductor reads while generating
 code that its cache key leaves out: oneDNN's fp32 precision (``pad_mm`` on CPU reads
 ``torch.backends.mkldnn.fp32_precision``; ``set_float32_matmul_precision("medium")`` sets the
 oneDNN matmul precision to bf16) and cuDNN's TF32 flags (Inductor's Triton conv templates bake
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DENIED", "EXTRA_READERS", "KEYED_ELSEWHERE", "READERS", "cpu_system_info", "global_factors",
+__all__ = ["ALWAYS", "DENIED", "EXTRA_READERS", "KEYED_ELSEWHERE", "READERS", "cpu_system_info", "global_factors",
            "hash_detail_fields"]
 
 _GRAPH = "the graph itself: aotc's graph key (backend) or the manifest and traced code (manifest)"
@@ -170,6 +171,10 @@ READERS: dict[str, Callable[[], Any]] = {
     "custom_backend_codegen_configs": lambda: _backend_registry("custom_backend_codegen_configs"),
 }
 
+# torch's fields aotc keys whether or not this torch hashes them: torch 2.11's key leaves the
+# default dtype out (2.12 added it), while its lowerings read it (a factory op with no dtype)
+ALWAYS = ("default_dtype",)
+
 # Settings Inductor's codegen reads that its own cache key does not hash (module doc).
 EXTRA_READERS: dict[str, Callable[[], Any]] = {"mkldnn": _mkldnn, "cudnn": _cudnn,
                                                "fp32_precision": lambda: _backend_precisions("")}
@@ -265,7 +270,8 @@ def _canonical(value: Any, name: str) -> Any:
 
 def global_factors(fields: list[str]) -> dict[str, Any]:
     """The ``global`` key group for this process, now: each of torch's hash-detail ``fields``
-    (:func:`hash_detail_fields`) that aotc keys in no other group, plus :data:`EXTRA_READERS`.
+    (:func:`hash_detail_fields`) that aotc keys in no other group, plus :data:`ALWAYS` and
+    :data:`EXTRA_READERS`.
     Fields this module knows are read without importing Inductor; an unknown one (a newer
     torch's) from a real ``FxGraphHashDetails``."""
     out: dict[str, Any] = {}
@@ -280,6 +286,8 @@ def global_factors(fields: list[str]) -> dict[str, Any]:
             details = _details()
         if hasattr(details, name):
             out[name] = _canonical(getattr(details, name), name)
+    for name in ALWAYS:
+        out.setdefault(name, _canonical(READERS[name](), name))
     for name, read in EXTRA_READERS.items():
         out[name] = _canonical(read(), name)
     return out
