@@ -94,20 +94,19 @@ def pull_command(app: AppContext, target: str, url: str | None, trust: tuple[str
     """Download TARGET's entry (a manifest — the remote entry it compiles to on this machine —
     or a remote key or unique prefix) into the local store, every blob verified first."""
     from aotc.cache import CacheMiss
-    from aotc.fleet.sync import pull_entry, pull_for_probe, remote_key_for
+    from aotc.fleet.sync import pull_entry, remote_key_for
     from aotc.progress import Progress
 
     remote = app.remote(url, required="pull")
     store, trusted = app.writable_store, app.policy(trust, allow_unsigned)
     progress = Progress(sys.stderr, quiet=quiet or as_json)
     if Path(target).is_file():
-        from aotc.lookup.resolve import manifest_probe
-        from aotc.lookup.toolchain import machine_factors
+        from aotc.fleet.tiered import pull_manifest
         from aotc.manifest import load_manifest
+        from aotc.model.build import build_model
 
         m = load_manifest(target)
-        probe = manifest_probe(m, machine_factors(m.device, store.base / "toolchain"))
-        result = pull_for_probe(probe, remote, store, trusted, progress)
+        result = pull_manifest(m, remote, store, trusted, progress, build=lambda: build_model(m))
         if result is None:
             raise CacheMiss("0" * 64, hint=f"{remote.url} has no entry of {m.name} for this machine "
                                            f"and these sources; `aotc compile {target}` and "

@@ -105,7 +105,7 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
     assert scan(Store(store)).misses == 3  # up to date: no miss counted (its first look was one)
     # a new node with only the remote, trusting the build's key: its first look (the settings as
     # its process has them) finds nothing there; the model built, the key it moved to is pulled
-    # through — nothing compiled, no miss counted
+    # through — nothing compiled, one miss counted (the local tier's, which the remote served)
     url = f"s3://{s3()}/fleet"
     _cli("--store", str(store), "push", key, "--to", url, env=env)
     node = tmp_path / "node-store"
@@ -114,7 +114,12 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
                          text=True, env=node_env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert set(json.loads(res.stdout.strip().splitlines()[-1])["keys"]) == {key}
-    assert Store(node).keys() == [key] and scan(Store(node)).misses == 0
+    assert Store(node).keys() == [key] and scan(Store(node)).misses == 1
+    # `aotc pull MANIFEST` on another new node: its first ask finds nothing, the model built, the
+    # moved key is pulled
+    puller = tmp_path / "pull-store"
+    _cli("--store", str(puller), "pull", str(path), "--from", url, "--trust", public, env=env)
+    assert Store(puller).keys() == [key]
     # a manifest that patches the options its build turns on: the build moves the settings read,
     # not the key — compiled under the lease it holds, not through the moved path (which leased
     # that key again: a wait until the lease wait ran out); its pieces are the first entry's
@@ -125,3 +130,13 @@ def test_a_build_that_turns_inductor_options_on_is_keyed_with_them_and_found_by_
     res = _cli("compile", str(patched), "--json", env=env)
     assert json.loads(res.stdout)["hit"] is False and "changed process-wide settings" not in res.stderr
     assert scan(Store(store)).misses == misses + 1  # a compile is one miss
+    # another manifest of the same name whose closest entry differs in the settings and more: the
+    # model is built before the lease, the moved key leased and compiled with that one build (not
+    # through the nested path, which says "changed process-wide settings")
+    longer = tmp_path / "longer.yaml"
+    longer.write_text(yaml.safe_dump({**MANIFEST, "max_tokens": 48}))
+    res = _cli("compile", str(longer), "--json", env=env)
+    out = json.loads(res.stdout)
+    assert out["hit"] is False and out["traces"] == 1 and "changed process-wide settings" not in res.stderr
+    assert scan(Store(store)).misses == misses + 2
+    assert Store(store).get(out["key"]).factors["inductor"]["values"]["coordinate_descent_tuning"] is True

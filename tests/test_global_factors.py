@@ -222,3 +222,18 @@ def test_a_piece_compile_does_not_hash_tritons_source_either(tmp_path) -> None:
     after = CacheBase.get_system.cache_info()
     assert piece.artifact.is_file()
     assert (after.hits, after.misses) == (before.hits, before.misses), "torch's get_system was called"
+
+
+def test_the_default_dtype_is_keyed_where_torch_does_not_hash_it() -> None:
+    """torch 2.11's FX cache key leaves the default dtype out; its lowerings read it: aotc keys it
+    whatever the field list says (``global_factors.ALWAYS``)."""
+    fields = [f for f in gf.hash_detail_fields() if f != "default_dtype"]  # as torch 2.11 lists them
+    before = gf.global_factors(fields)
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        after = gf.global_factors(fields)
+    finally:
+        torch.set_default_dtype(saved)
+    assert before["default_dtype"] == str(saved) and after["default_dtype"] == "torch.float64"
+    assert [d.path for d in explain({"global": before}, {"global": after})] == ["global.default_dtype"]

@@ -582,7 +582,7 @@ def build(layers=5, hidden=8, vocab=64):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not regions.supported(),
-                    reason="this torch does not reuse a traced region (2.12+): nothing is stamped out")
+                    reason="needs torch 2.12+ (region reuse): this torch stamps nothing out")
 def test_a_failed_check_with_layers_stamped_out_traces_every_layer_under_the_same_key(tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """What the stamp-out's own checks do not see — here a global the model changes between

@@ -287,7 +287,8 @@ def global_factors(fields: list[str]) -> dict[str, Any]:
         if hasattr(details, name):
             out[name] = _canonical(getattr(details, name), name)
     for name in ALWAYS:
-        out.setdefault(name, _canonical(READERS[name](), name))
+        if name not in out:
+            out[name] = _canonical(READERS[name](), name)
     for name, read in EXTRA_READERS.items():
         out[name] = _canonical(read(), name)
     return out

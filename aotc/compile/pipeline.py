@@ -117,7 +117,9 @@ def compile_manifest(manifest: Manifest | str | Path, store: Any = None, force: 
     it; when it has no entry either, the compile runs under the remote's compile lease (one
     process of a fleet compiles, the others wait and pull: :mod:`aotc.fleet.lease`) and is
     pushed there. With a signing key, it is read before any work and every entry stored is
-    signed in the same transaction as its put."""
+    signed in the same transaction as its put. Where the closest local entry differs in
+    process-wide settings, the model is built before the lease and the key read again
+    (:func:`aotc.lookup.resolve.reread_after_build`): an entry current then is up to date."""
     if context is not None and (store is not None or remote is not None):
         raise AotcError("aotc.compile: give store=/remote= or context=, not both (a context "
                         "carries its own)")
@@ -190,8 +192,9 @@ def _compile_built(manifest: Manifest, tiered: TieredStore, force: bool, progres
     """A miss of ``compile_manifest`` once the model is built: keyed by the settings the compile
     runs under — read now, after the build. A build that changed process-wide settings
     (torchao's ``quantize_`` turns Inductor options on) compiles under them, so its key is not
-    the one looked up before the build (``looked_up``'s): that key is looked up (and leased)
-    first — a store that has it is a hit, built by a process that built the model too."""
+    the one looked up (``looked_up``'s: read before this build, or after a build
+    ``compile_manifest`` made before its lease): that key is looked up (and leased) first — a
+    store that has it is a hit, built by a process that built the model too."""
     # (a setting the manifest patches moves no key: the lease of an unchanged key is the one
     # this process holds)
     machine, moved = reread_after_build(manifest, looked_up, tiered.local.base / "toolchain")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from aotc.cache import CacheMiss, Entry, Store, StoreReadOnlyError
 from aotc.errors import RemoteError, TrustError
@@ -43,7 +43,10 @@ from aotc.log import logger
 from aotc.lookup.resolve import Probe, Resolution, manifest_probe, resolve_probe
 from aotc.progress import Progress
 
-__all__ = ["Served", "TieredStore", "Wanted", "open_tiered"]
+if TYPE_CHECKING:
+    from aotc.fleet.sync import Transfer
+
+__all__ = ["Served", "TieredStore", "Wanted", "open_tiered", "pull_manifest"]
 
 _LOG = logger("fleet")
 
@@ -158,8 +161,9 @@ class TieredStore:
         """What ``manifest`` compiles to on this ``machine`` (default: this one's toolchain
         factors, memoized in the store): resolved in the local tier, else pulled through from the
         remote and resolved again. A local entry that exists but is damaged is reported
-        (``Resolution.corrupt``), not replaced from the remote. ``record_miss=False``: a miss is
-        left for the caller to count (``Resolution.record_miss``)."""
+        (``Resolution.corrupt``), not replaced from the remote. ``record_miss=False``: a miss that
+        stands is left for the caller to count (``Resolution.record_miss``: a build may yet move
+        the key onto a hit); a local miss the remote then served is counted here, as always."""
         if machine is None:
             from aotc.lookup.toolchain import machine_factors
 
@@ -174,7 +178,9 @@ class TieredStore:
         if found.entry is None and found.corrupt is None and self.remote is not None:
             want = Wanted.by_probe(probe)
             if (self._pull_or_wait(want) if wait else self._pull(want)) is not None:
-                found = resolve_probe(probe, self.local, record_miss=record_miss)
+                if not record_miss:  # the local tier missed what the remote served: one miss
+                    found.record_miss(self.local)
+                found = resolve_probe(probe, self.local, record_miss=False)
         if found.entry is not None:
             self._checked(found.entry)
         return found
@@ -348,3 +354,26 @@ def open_tiered(context: Any, manifest: Any = None, create: bool = False) -> Tie
                                   settings=context.settings),
                        rem, context.trust, None if context.signing_key is None else context.signer,
                        lease_ttl=context.lease.ttl, lease_wait=context.lease.wait)
+
+
+def pull_manifest(manifest: Any, remote: Remote, store: Store, trusted: TrustPolicy,
+                  progress: Progress | None = None, build: Callable[[], Any] | None = None) -> Transfer | None:
+    """``aotc pull MANIFEST``: the remote entry ``manifest`` compiles to on this machine, pulled
+    into ``store`` (``aotc.fleet.sync.pull_for_probe``'s transfer); None when the remote has none.
+    A remote's entries are not compared before a pull, so where the first look finds nothing and
+    ``build`` is given (the manifest's model build) the model is built, the key read again and
+    the remote asked again if the build moved it (torchao's ``quantize_`` sets Inductor options
+    the key names: :func:`aotc.lookup.resolve.reread_after_build`)."""
+    from aotc.fleet import sync
+    from aotc.lookup.resolve import reread_after_build
+    from aotc.lookup.toolchain import machine_factors
+
+    memo = store.base / "toolchain"
+    machine = machine_factors(manifest.device, memo)
+    got = sync.pull_for_probe(manifest_probe(manifest, machine), remote, store, trusted, progress)
+    if got is None and build is not None:
+        build()
+        after, moved = reread_after_build(manifest, machine, memo)
+        if moved:
+            got = sync.pull_for_probe(manifest_probe(manifest, after), remote, store, trusted, progress)
+    return got

@@ -254,8 +254,10 @@ def resolve(manifest: Manifest, store: Store, machine: dict[str, Any], record: b
 def resolve_probe(want: Probe, store: Store, record: bool = True,
                   record_miss: bool | None = None) -> Resolution:
     """The newest stored entry behind ``want``'s probe that is current (:class:`Probe`); else
-    the closest entry and how it differs. ``record``: count the hit or miss in the store's stats
-    (``record_miss``, when given, for a miss alone: a second look after a first that counted it)."""
+    the closest entry and how it differs. ``record``: count the hit or miss in the store's stats;
+    ``record_miss``, when given, decides for a miss alone — False for a second look after a first
+    that counted it, or a first look whose caller counts the miss once it stands
+    (:meth:`Resolution.record_miss`)."""
     if record_miss is None:
         record_miss = record
     probe = want.key

@@ -238,8 +238,12 @@ def _by_manifest(manifest: Manifest, model: Any, device: str | None, context: Co
         # an entry compiled under the settings this model's build sets (torchao's quantize_
         # turns Inductor options on): keyed as they are once it is built — built first, then
         # (a remote's entries are not compared before a pull: with one, any miss builds)
-        model = _build(manifest, timings)
-        built, moved = reread_after_build(manifest, machine, tiered.local.base / "toolchain")
+        try:
+            model = _build(manifest, timings)
+            built, moved = reread_after_build(manifest, machine, tiered.local.base / "toolchain")
+        except BaseException:
+            res.record_miss(tiered.local)  # the miss stands: counted before the build's error
+            raise
         if moved:
             res = _resolve(manifest, tiered, timings, built, record_miss=False)
     res.record_miss(tiered.local)  # one lookup's miss, if it stands
