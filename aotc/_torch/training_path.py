@@ -13,7 +13,8 @@ _apply_runtime_wrappers``, torch 2.13), with our two callables in place of Induc
 
 A piece is recorded only when its fast runtime returns, bit for bit, what Inductor's artifact
 returns — outputs, which outputs carry a ``grad_fn``, every input's gradient, and the inputs the
-forward mutates (BatchNorm's running statistics) — on the same random inputs
+forward mutates (BatchNorm's running statistics) — on the same random inputs (a tensor-subclass
+input, torchao's quantized weight, passed as it is: AOTAutograd's subclass wrapper flattens it)
 (:func:`record_training_fast_path`); anything else keeps Inductor's loader. Private torch APIs:
 ``torch._functorch._aot_autograd.runtime_wrappers`` (and ``aot_autograd_result`` /
 ``torch._inductor.output_code`` at compile time, to read the entry). Written for torch 2.13,
@@ -142,8 +143,6 @@ def record_training_fast_path(artifact: Callable[..., Any], inputs: Sequence[Any
     ``artifact`` bit for bit (module doc); returns "" when recorded, else the reason the
     piece keeps Inductor's loader."""
     try:
-        if any(is_subclass(v) for v in inputs if isinstance(v, torch.Tensor)):
-            raise wrapper.Unsupported("a tensor-subclass input")
         data = extract(cache_dir, kernel_files)
         fast = load(data, cache_dir)
         values = _grad_values(inputs)
