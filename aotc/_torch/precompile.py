@@ -238,8 +238,6 @@ def _saveable_subclass_guards() -> Iterator[None]:
 
 def _compile_lock() -> Any:
     """Dynamo's compile lock (``torch._dynamo.convert_frame.compile_lock``), or a no-op."""
-    import contextlib
-
     from torch._dynamo import convert_frame
 
     lock = getattr(convert_frame, "compile_lock", None)

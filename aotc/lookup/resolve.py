@@ -67,11 +67,6 @@ def base_factors(manifest: Manifest, machine: dict[str, Any]) -> dict[str, Any]:
 _SETTINGS = ("inductor.values.", "global.")
 
 
-def settings_moved(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """The key's fields that differ between two sets of factors (dotted paths)."""
-    return [d.path for d in explain(before, after)]
-
-
 def reread_after_build(manifest: Manifest, before: dict[str, Any],
                        memo_dir: Path | None) -> tuple[dict[str, Any], list[str]]:
     """Once the manifest's model is built: this machine's factors read again
@@ -81,7 +76,7 @@ def reread_after_build(manifest: Manifest, before: dict[str, Any],
     explain) asks whether a build changed the key (torchao's ``quantize_`` turns Inductor options
     on process-wide) before it looks up again."""
     after = machine_factors(manifest.device, memo_dir)
-    return after, settings_moved(base_factors(manifest, before), base_factors(manifest, after))
+    return after, [d.path for d in explain(base_factors(manifest, before), base_factors(manifest, after))]
 
 
 def is_setting(path: str) -> bool:
